@@ -1,0 +1,193 @@
+"""Linear modules that keep their weight in fp8 (float8_e4m3fn) with float32 scales.
+
+State dict of every module here: ``weight`` (float8_e4m3fn [out, in]),
+``weight_scale`` (float32, [out, 1] per channel or 0-dim per tensor) and
+``bias`` (compute dtype, [out]) when the source linear had one. ``weight`` is the
+stored fp8 tensor (inspect shape/dtype/device); :meth:`Fp8Linear.dequantize_weight`
+gives the high-precision view. Loading a non-fp8 ``weight`` is refused: quantize
+a bf16 checkpoint by loading it into the bf16 model and converting again.
+
+A model-wide ``.to(dtype)`` (or ``.half()``) moves these modules but keeps the
+fp8 payload and float32 scales (e4m3 -> bf16/fp16 -> e4m3 is lossless; scales
+are restored from their float32 values), so a pipeline's dtype cast cannot
+silently corrupt them.
+
+Inputs: [..., in_features] in bf16 / fp16 / fp32; outputs have the input dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from .quant import (
+    FP8_DTYPE,
+    dequantize,
+    pad_rows,
+    quantize_rowwise,
+    quantize_tensorwise,
+    reference_scaled_mm,
+    scaled_mm,
+)
+
+__all__ = ["GRANULARITIES", "Fp8Linear", "ScaledMMLinear", "WeightOnlyLinear", "scaled_mm_shape_problem"]
+
+logger = logging.getLogger(__name__)
+
+GRANULARITIES = ("rowwise", "tensorwise")
+SCALED_MM_ALIGN = 16
+
+
+def scaled_mm_shape_problem(in_features: int, out_features: int, what: str = "torch._scaled_mm") -> str | None:
+    """Reason why a [out, in] weight cannot go through an fp8 GEMM, or None when it can (K, N % 16 == 0)."""
+    bad = [f"{n}={v}" for n, v in (("K", in_features), ("N", out_features)) if v % SCALED_MM_ALIGN]
+    if not bad:
+        return None
+    return f"{' and '.join(bad)} not divisible by {SCALED_MM_ALIGN} ({what} needs K and N divisible by 16)"
+
+
+class Fp8Linear(nn.Module):
+    """Base class: fp8 weight + float32 scale + optional bias, shape handling in :meth:`forward`.
+
+    Subclasses implement ``_matmul(x2d) -> y2d`` on [M, K] -> [M, N]. Rows are
+    zero-padded to ``token_multiple`` (1 here: ``torch._scaled_mm`` has no
+    constraint on M) and the padding is sliced off again.
+    """
+
+    token_multiple: int = 1
+
+    def __init__(
+        self,
+        weight_fp8: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        layer_name: str = "",
+    ) -> None:
+        super().__init__()
+        if weight_fp8.dtype != FP8_DTYPE or weight_fp8.dim() != 2:
+            raise TypeError(f"{layer_name or 'layer'}: weight must be a 2-D {FP8_DTYPE} tensor, got {weight_fp8.dtype}")
+        self.out_features, self.in_features = (int(s) for s in weight_fp8.shape)
+        self.layer_name = layer_name
+        self.register_buffer("weight", weight_fp8)
+        self.register_buffer("weight_scale", weight_scale.to(torch.float32))
+        if bias is not None:
+            self.register_buffer("bias", bias.detach())
+        else:
+            self.register_buffer("bias", None)
+
+    # ----- inspection -------------------------------------------------------------------------
+    def dequantize_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The weight as ``dtype`` [out, in] (weight * scale, computed in float32)."""
+        return dequantize(self.weight, self.weight_scale, dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    # ----- forward ----------------------------------------------------------------------------
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in_features] -> [..., out_features], same dtype as x."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.layer_name or type(self).__name__}: input has {x.shape[-1]} features, "
+                             f"expected {self.in_features}")
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        rows = x2d.shape[0]
+        y = self._matmul(pad_rows(x2d, self.token_multiple))
+        if y.shape[0] != rows:
+            y = y[:rows]
+        return y.reshape(*lead, self.out_features)
+
+    # ----- dtype / state-dict safety -------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        scale = self.weight_scale
+        super()._apply(fn, recurse)
+        if self.weight.dtype != FP8_DTYPE:  # e.g. model.to(torch.bfloat16): e4m3 -> bf16 -> e4m3 is exact
+            self.weight = self.weight.to(FP8_DTYPE)
+        if self.weight_scale.dtype != torch.float32:
+            self.weight_scale = scale.to(device=self.weight_scale.device)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        w = state_dict.get(prefix + "weight")
+        if w is not None and w.dtype != FP8_DTYPE:
+            error_msgs.append(
+                f"{prefix}weight: expected {FP8_DTYPE} (an fp8 state dict from this module), got {w.dtype}; "
+                "load bf16 weights into the bf16 model, then convert with quantize_linears"
+            )
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+class ScaledMMLinear(Fp8Linear):
+    """fp8 x fp8 GEMM through ``torch._scaled_mm`` (or its fp32 reference when ``emulate``).
+
+    granularity ``rowwise``: per-token activation scales [M, 1] and per-channel
+    weight scales [N, 1]; ``tensorwise``: one scale each. Activations are
+    quantized dynamically in :func:`.quant.quantize_rowwise` /
+    :func:`.quant.quantize_tensorwise`; the bias is added after the GEMM in the
+    output dtype (inductor fuses it).
+
+    .. note:: K and N must be divisible by 16. Needs CUDA compute capability
+       >= 8.9 (row-wise: a torch whose row-wise kernel runs on the GPU; Hopper
+       sm_90 is the target). Row-wise takes bf16 activations only (torch's
+       row-wise kernel writes bf16); tensor-wise takes bf16 / fp16 / fp32.
+       ``emulate=True`` runs anywhere, any of those dtypes, in fp32, slowly.
+    """
+
+    def __init__(self, weight_fp8, weight_scale, bias, granularity: str, emulate: bool = False, layer_name: str = ""):
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity={granularity!r} is not allowed; allowed values: {', '.join(GRANULARITIES)}")
+        super().__init__(weight_fp8, weight_scale, bias, layer_name)
+        problem = scaled_mm_shape_problem(self.in_features, self.out_features)
+        if problem is not None:
+            raise ValueError(f"{layer_name or 'layer'}: {problem}")
+        self.granularity = granularity
+        self.emulate = bool(emulate)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, granularity: str = "rowwise", emulate: bool = False,
+                    layer_name: str = "") -> ScaledMMLinear:
+        """Quantize ``linear.weight`` (per channel for rowwise, per tensor for tensorwise)."""
+        w = linear.weight.detach()
+        w8, ws = quantize_rowwise(w) if granularity == "rowwise" else quantize_tensorwise(w)
+        return cls(w8, ws, linear.bias, granularity, emulate, layer_name)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self.granularity == "rowwise" and not self.emulate and x2d.dtype != torch.bfloat16:
+            raise TypeError(f"{self.layer_name or 'ScaledMMLinear'}: row-wise torch._scaled_mm takes bf16 activations "
+                            f"(its kernel writes bf16 only), got {x2d.dtype}")
+        x8, xs = quantize_rowwise(x2d) if self.granularity == "rowwise" else quantize_tensorwise(x2d)
+        mm = reference_scaled_mm if self.emulate else scaled_mm
+        y = mm(x8, xs, self.weight, self.weight_scale, x2d.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", granularity={self.granularity}" + (", emulate=True" if self.emulate else "")
+
+
+class WeightOnlyLinear(Fp8Linear):
+    """fp8 weight storage with per-channel scales; compute in the input dtype.
+
+    Each call dequantizes the weight (float32 multiply, cast to the input
+    dtype) and runs ``F.linear``: saves memory, not time. Any device, any shape.
+    """
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, layer_name: str = "") -> WeightOnlyLinear:
+        """Quantize ``linear.weight`` per output channel."""
+        w8, ws = quantize_rowwise(linear.weight.detach())
+        return cls(w8, ws, linear.bias, layer_name)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x2d.dtype)
+        return F.linear(x2d, self.dequantize_weight(x2d.dtype), bias)

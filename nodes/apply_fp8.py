@@ -1,0 +1,141 @@
+"""Apply TE-FP8: true FP8 compute (Transformer Engine or torch scaled-mm) or FP8 weight storage, never silent."""
+
+from __future__ import annotations
+
+import comfy.model_management as mm
+from comfy_api.latest import io
+
+from ..qwen_edit.plan import PipePlan
+from .common import CATEGORY, PIPE, NodeInputError
+
+BACKENDS = ["scaled_mm_rowwise", "te", "scaled_mm_tensorwise", "weight_only"]
+TE_RECIPES = ["current", "delayed", "block", "mxfp8", "nvfp4"]
+MODULATION = ["fp8 storage", "bf16"]
+
+
+def build_config(backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation):
+    """The fp8 package's frozen config from the node's widgets (ValueError names a bad field)."""
+    from ..fp8 import Fp8Config, TeRecipeConfig
+
+    recipe = TeRecipeConfig(
+        name=te_recipe, fp8_format=fp8_format, amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo
+    )
+    return Fp8Config(
+        backend=backend,
+        preset=layers,
+        storage_layers="fp8" if modulation == "fp8 storage" else "bf16",
+        te_recipe=recipe,
+    )
+
+
+class ApplyFP8(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        from ..fp8 import preset_names
+
+        return io.Schema(
+            node_id="QwenEditHopper_ApplyFP8",
+            display_name="Apply TE-FP8 (Qwen Edit)",
+            category=CATEGORY,
+            description="Converts the DiT's attention and MLP linears to FP8 with real scales. Needs an FP8 GPU "
+            "(compute capability 8.9+, Hopper for speed) except weight_only; refused with the reason otherwise, "
+            "never a quiet bf16 fallback. LoRAs are always fused before this step.",
+            inputs=[
+                PIPE.Input("pipe", tooltip="Pipe from Load Qwen Edit or Fuse LoRA."),
+                io.Combo.Input(
+                    "backend",
+                    options=BACKENDS,
+                    default="scaled_mm_rowwise",
+                    tooltip="scaled_mm_rowwise: per-token x per-channel scales via torch._scaled_mm "
+                    "(fastest under compile); te: NVIDIA Transformer Engine te.Linear (runs eager); "
+                    "scaled_mm_tensorwise: one scale per tensor; weight_only: fp8 storage, bf16 "
+                    "compute (memory, not speed; runs anywhere).",
+                ),
+                io.Combo.Input(
+                    "te_recipe",
+                    options=TE_RECIPES,
+                    default="current",
+                    tooltip="Transformer Engine recipe (te backend only): current = Float8CurrentScaling "
+                    "(Hopper default); delayed = DelayedScaling, calibrated on the first denoising "
+                    "step; block = Float8BlockScaling; mxfp8/nvfp4 need Blackwell.",
+                ),
+                io.Combo.Input(
+                    "fp8_format",
+                    options=["E4M3", "HYBRID"],
+                    default="E4M3",
+                    tooltip="FP8 format of the TE recipe (HYBRID: E4M3 forward, E5M2 gradients).",
+                ),
+                io.Int.Input(
+                    "amax_history_len",
+                    default=16,
+                    min=1,
+                    max=1024,
+                    tooltip="DelayedScaling: how many past amax values the scale looks at.",
+                ),
+                io.Combo.Input(
+                    "amax_compute_algo",
+                    options=["max", "most_recent"],
+                    default="max",
+                    tooltip="DelayedScaling: scale from the max of the history or the latest amax.",
+                ),
+                io.Combo.Input(
+                    "layers",
+                    options=preset_names(),
+                    default="attn+mlp",
+                    tooltip="Which linears compute in FP8. Default: attention projections and MLPs of "
+                    "both streams; input/time embeddings, final norm and output projection stay bf16.",
+                ),
+                io.Combo.Input(
+                    "modulation",
+                    options=MODULATION,
+                    default="fp8 storage",
+                    tooltip="Modulation linears (a third of the weights, applied to one timestep "
+                    "vector): fp8 storage with per-channel scales and bf16 compute, or plain bf16.",
+                ),
+            ],
+            outputs=[
+                PIPE.Output(
+                    "pipe_out", display_name="pipe", tooltip="A new pipe with FP8 (the input pipe is unchanged)."
+                ),
+                io.String.Output("report", tooltip="Converted and skipped layers with reasons."),
+            ],
+        )
+
+    @classmethod
+    def validate_inputs(cls, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation):
+        from ..fp8 import check_backend
+
+        try:
+            config = build_config(
+                backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation
+            )
+        except (TypeError, ValueError) as error:
+            return str(error)
+        capability = check_backend(config, mm.get_torch_device())
+        if not capability.ok:
+            return f"backend {backend} cannot run here: {capability.reason}"
+        return True
+
+    @classmethod
+    def execute(
+        cls, pipe, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation
+    ) -> io.NodeOutput:
+        from ..fp8 import plan_linears
+        from ..qwen_edit.checkpoints.shapes import dit_on_meta
+
+        if not isinstance(pipe, PipePlan):
+            raise NodeInputError("pipe: expected the output of Load Qwen Edit")
+        config = build_config(backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation)
+        decisions = plan_linears(dit_on_meta(pipe.files), config)
+        lines = [f"FP8: {config.describe()}"]
+        counts: dict[str, int] = {}
+        for decision in decisions:
+            counts[decision.action] = counts.get(decision.action, 0) + 1
+        lines.append(", ".join(f"{n} {action}" for action, n in sorted(counts.items())))
+        reasons: dict[tuple[str, str], list[str]] = {}
+        for decision in decisions:
+            reasons.setdefault((decision.action, decision.reason), []).append(decision.name)
+        for (action, reason), names in sorted(reasons.items()):
+            shown = ", ".join(names[:4]) + (f" ... (+{len(names) - 4})" if len(names) > 4 else "")
+            lines.append(f"{action} ({reason}): {shown}")
+        return io.NodeOutput(pipe.with_fp8(config), "\n".join(lines))

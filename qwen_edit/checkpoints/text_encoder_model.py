@@ -1,0 +1,108 @@
+"""DiffSynth's ``QwenImageTextEncoder`` with a config from :class:`~.text_encoder.TextEncoderConfig`.
+
+Imported only when a text encoder is built (it imports DiffSynth and transformers).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffsynth.models.qwen_image_text_encoder import QwenImageTextEncoder
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
+
+from .materialize import meta_device
+from .text_encoder import TextEncoderConfig
+
+# Qwen2.5-VL special tokens (the tokenizer's ids; the vocabulary must cover them).
+BOS_TOKEN_ID = 151643
+EOS_TOKEN_ID = 151645
+VISION_START_TOKEN_ID = 151652
+VISION_END_TOKEN_ID = 151653
+VISION_TOKEN_ID = 151654
+IMAGE_TOKEN_ID = 151655
+VIDEO_TOKEN_ID = 151656
+
+
+def hf_config(config: TextEncoderConfig) -> Qwen2_5_VLConfig:
+    """The transformers config DiffSynth would use, at ``config`` size."""
+    text = {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "vocab_size": config.vocab_size,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": {"mrope_section": list(config.mrope_section), "rope_type": "default", "type": "default"},
+        "max_position_embeddings": 128000,
+        "max_window_layers": config.num_layers,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "tie_word_embeddings": False,
+    }
+    vision = {
+        "depth": config.vision_depth,
+        "hidden_size": config.vision_hidden_size,
+        "num_heads": config.vision_num_heads,
+        "intermediate_size": config.vision_intermediate_size,
+        "out_hidden_size": config.vision_out_hidden_size,
+        "patch_size": config.vision_patch_size,
+        "temporal_patch_size": config.vision_temporal_patch_size,
+        "spatial_merge_size": config.vision_spatial_merge_size,
+        "in_channels": config.vision_in_channels,
+        "window_size": config.vision_window_size,
+        "fullatt_block_indexes": list(config.vision_fullatt_block_indexes),
+        "tokens_per_second": 2,
+        "hidden_act": "silu",
+    }
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_TOKEN_ID,
+        vision_end_token_id=VISION_END_TOKEN_ID,
+        vision_token_id=VISION_TOKEN_ID,
+        tie_word_embeddings=False,
+    )
+
+
+class SizedQwenImageTextEncoder(QwenImageTextEncoder):
+    """``QwenImageTextEncoder`` (``model`` = ``Qwen2_5_VLModel``, plus ``lm_head``) at any size.
+
+    ``forward`` is DiffSynth's: it returns the tuple of hidden states
+    ``[B, S, hidden_size]`` per layer. Parameters are created on ``meta``; the
+    rotary-embedding buffers are built on CPU.
+
+    Attributes:
+        config: the transformers ``Qwen2_5_VLConfig`` (as in DiffSynth).
+        encoder_config: the :class:`TextEncoderConfig` it was built from.
+    """
+
+    def __init__(self, config: TextEncoderConfig):
+        torch.nn.Module.__init__(self)
+        hf = hf_config(config)
+        with meta_device():
+            self.model = Qwen2_5_VLModel(hf)
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.config = hf
+        self.encoder_config = config
+        rebuild_meta_buffers(self)
+
+
+def rebuild_meta_buffers(model: torch.nn.Module) -> None:
+    """Rebuild, on CPU, every submodule whose buffers are on ``meta`` (the rotary embeddings).
+
+    transformers' rotary modules are constructed from their ``config`` alone.
+    """
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if not hasattr(module, "config"):
+                raise RuntimeError(f"cannot rebuild meta buffers of {name} ({type(module).__name__})")
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, type(module)(module.config))

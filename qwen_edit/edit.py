@@ -1,0 +1,102 @@
+"""One edit from a plan: runtime materializes the models, the sampler runs the stages."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .compile import compiled_forward_context
+from .memory import Resident
+from .plan import PipePlan
+from .runtime import PlanRuntime
+from .sampling import Callbacks, Conditioning, EditRequest, EditSampler, Timings, _sync, make_scheduler
+
+_SAMPLER = EditSampler()
+
+
+def needs_calibration(plan: PipePlan, dit: Resident) -> bool:
+    """DelayedScaling TE layers start with unit scales: they need one calibration pass first."""
+    fp8 = plan.fp8
+    return (fp8 is not None and fp8.backend == "te" and fp8.te_recipe.name == "delayed"
+            and not dit.extra.get("calibrated"))
+
+
+def calibrate(plan: PipePlan, dit: Resident, request: EditRequest, conditioning: Conditioning,
+              runtime: PlanRuntime) -> str:
+    """Fill DelayedScaling amax histories with real activations: the first two steps' forwards."""
+    from diffsynth.pipelines.qwen_image import model_fn_qwen_image
+
+    from ..fp8 import calibrate_delayed_scaling
+
+    scheduler = make_scheduler(request.scheduler, request.steps, request.width, request.height)
+    generator = torch.Generator("cpu").manual_seed(request.seed)
+    latents = torch.randn((1, 16, request.height // 8, request.width // 8), generator=generator,
+                          dtype=runtime.dtype).to(runtime.device)
+    forwards = []
+    for timestep in scheduler.timesteps[:2]:
+        t = timestep.unsqueeze(0).to(dtype=runtime.dtype, device=runtime.device)
+        forwards.append(lambda t=t: model_fn_qwen_image(
+            dit=dit.module, latents=latents, timestep=t, height=request.height, width=request.width,
+            edit_latents=conditioning.edit_latents, zero_cond_t=plan.variant.zero_cond_t, **conditioning.positive))
+    report = calibrate_delayed_scaling(dit.module, forwards)
+    dit.extra["calibrated"] = True
+    return str(report)
+
+
+def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest,
+             callbacks: Callbacks | None = None, sampler: EditSampler | None = None) -> tuple[torch.Tensor, Timings]:
+    """Encode (cached), denoise and decode one edit. Returns (IMAGE (1, H, W, 3) in [0, 1], timings).
+
+    ``timings.extra["step_s"]`` holds seconds per denoising step (the first includes any compile).
+    """
+    callbacks = callbacks or Callbacks()
+    sampler = sampler or _SAMPLER
+    device, dtype = runtime.device, runtime.dtype
+    timings = Timings(steps=request.steps)
+
+    text_encoder = runtime.text_encoder(plan)
+    vae = runtime.vae(plan)
+    processor = runtime.processor(plan)
+    encoder_key = (text_encoder.key, vae.key, id(processor))
+    started = time.perf_counter()
+    conditioning, cached = sampler.condition(
+        request, variant=plan.variant, text_encoder=text_encoder.module, processor=processor, vae=vae.module,
+        device=device, dtype=dtype, encoder_key=encoder_key,
+        before_text=lambda: runtime.use([text_encoder]), before_vae=lambda: runtime.use([vae]),
+    )
+    _sync(device)
+    timings.encode_s, timings.encode_cached = time.perf_counter() - started, cached
+
+    callbacks.check_interrupt()
+    dit = runtime.dit(plan)
+    runtime.use([dit])
+    if needs_calibration(plan, dit):
+        timings.extra["calibration"] = calibrate(plan, dit, request, conditioning, runtime)
+    step_times: list[float] = []
+    last = [time.perf_counter()]
+
+    def on_step(done: int, total: int, latents: torch.Tensor) -> None:
+        _sync(device)
+        now = time.perf_counter()
+        step_times.append(now - last[0])
+        last[0] = now
+        callbacks.on_step(done, total, latents)
+
+    started = last[0] = time.perf_counter()
+    with compiled_forward_context(plan.compile):
+        latents = sampler.denoise(request, conditioning, dit=dit.module, variant=plan.variant, device=device,
+                                  dtype=dtype, callbacks=Callbacks(on_step=on_step,
+                                                                   check_interrupt=callbacks.check_interrupt))
+    _sync(device)
+    timings.denoise_s = time.perf_counter() - started
+    timings.extra["step_s"] = step_times
+
+    callbacks.check_interrupt()
+    vae = runtime.vae(plan)
+    runtime.use([vae])
+    started = time.perf_counter()
+    image = sampler.decode(latents, vae.module)
+    _sync(device)
+    timings.decode_s = time.perf_counter() - started
+    return image, timings

@@ -1,0 +1,51 @@
+"""An FP8 copy of a DiT, built from the base's current (LoRA-fused) bf16 weights.
+
+The copy shares no tensor with the base: converted linears hold fp8 weights
+with their scales, every other parameter is cloned, so later LoRA changes on
+the base (in place) never leak into an FP8 variant built before them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _structure_sharing_tensors(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``module`` whose Parameter/buffer objects are the originals (no tensor copied)."""
+    memo: dict[int, Any] = {id(t): t for t in list(module.parameters()) + list(module.buffers())}
+    return copy.deepcopy(module, memo)
+
+
+@torch.no_grad()
+def build_fp8_dit(base_module: torch.nn.Module, fp8_config: Any) -> torch.nn.Module:
+    """Convert a structural copy of ``base_module`` with ``fp8.quantize_linears``; returns the new module.
+
+    The module carries the conversion report as ``fp8_report``. Raises the fp8
+    package's errors (backend unavailable, shapes it cannot take) unchanged.
+    """
+    from ..fp8 import quantize_linears
+
+    variant = _structure_sharing_tensors(base_module)
+    report = quantize_linears(variant, fp8_config)
+    base_storages = {t.untyped_storage().data_ptr() for t in list(base_module.parameters()) +
+                     list(base_module.buffers())}
+
+    def shared(tensor: torch.Tensor | None) -> bool:
+        return tensor is not None and tensor.untyped_storage().data_ptr() in base_storages
+
+    for owner in variant.modules():
+        for name, param in list(owner._parameters.items()):
+            if shared(param):
+                owner._parameters[name] = torch.nn.Parameter(param.detach().clone(), requires_grad=False)
+        for name, buffer in list(owner._buffers.items()):
+            if shared(buffer):
+                owner._buffers[name] = buffer.clone()
+    variant.fp8_report = report
+    logger.info("FP8 variant: %s", report.counts)
+    return variant

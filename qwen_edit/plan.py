@@ -1,0 +1,114 @@
+"""The pipe that flows between nodes: an immutable plan, never a model.
+
+ComfyUI caches node outputs and lets one loader feed several branches, so a
+node must never change what it received. A ``PipePlan`` says *what* to run
+(weights, variant, LoRAs, FP8 recipe, compile settings, attention backend);
+``runtime.PlanRuntime`` decides *how* (base weights read once, variants
+derived in a fixed order: LoRA fused in bf16, then FP8, then compile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class Variant(str, enum.Enum):
+    """Qwen-Image-Edit releases. 2509 and 2511 take up to three reference images."""
+
+    EDIT = "qwen-image-edit"
+    EDIT_2509 = "qwen-image-edit-2509"
+    EDIT_2511 = "qwen-image-edit-2511"
+
+    @property
+    def max_images(self) -> int:
+        return 1 if self is Variant.EDIT else 3
+
+    @property
+    def zero_cond_t(self) -> bool:
+        """2511 modulates reference-image tokens with timestep 0 (DiffSynth's ``zero_cond_t``)."""
+        return self is Variant.EDIT_2511
+
+    @property
+    def multi_image_prompt(self) -> bool:
+        """2509/2511 encode prompts with "Picture N:" image slots (DiffSynth's multi-image template)."""
+        return self is not Variant.EDIT
+
+
+@dataclass(frozen=True)
+class LoraChoice:
+    """One fused LoRA: a file, its strength, and whether it is a Lightning few-step LoRA."""
+
+    path: Path
+    strength: float
+    lightning_steps: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    """Regional torch.compile of the transformer blocks (one compiled block serves all)."""
+
+    mode: str = "default"
+    dynamic: bool = True
+
+
+@dataclass(frozen=True)
+class PipePlan:
+    """Everything that defines a Qwen-Image-Edit pipeline, as a hashable value.
+
+    ``files`` is a ``checkpoints.layouts.ModelFiles``; ``fp8`` an
+    ``fp8.config.FP8Config`` (both frozen). Transform nodes return
+    ``dataclasses.replace`` copies; the order of ``loras`` is the order the
+    user chained them, and fusion always happens before FP8 quantization.
+    """
+
+    files: Any
+    variant: Variant
+    variant_reason: str
+    attention: str = "auto"
+    loras: tuple[LoraChoice, ...] = ()
+    fp8: Any = None
+    compile: CompileChoice | None = None
+
+    def with_lora(self, lora: LoraChoice) -> PipePlan:
+        return dataclasses.replace(self, loras=(*self.loras, lora))
+
+    def with_fp8(self, fp8_config: Any) -> PipePlan:
+        return dataclasses.replace(self, fp8=fp8_config)
+
+    def with_compile(self, choice: CompileChoice | None) -> PipePlan:
+        return dataclasses.replace(self, compile=choice)
+
+    @property
+    def lightning_steps(self) -> int | None:
+        """Steps of the last Lightning LoRA with non-zero strength, if any."""
+        steps = [lora.lightning_steps for lora in self.loras if lora.lightning_steps and lora.strength != 0]
+        return steps[-1] if steps else None
+
+    def describe(self) -> str:
+        """One line per setting, for node output text and benchmark tables."""
+        lines = [f"variant: {self.variant.value} ({self.variant_reason})", f"attention: {self.attention}"]
+        lines += [f"lora: {lora.name} x {lora.strength:g}" for lora in self.loras]
+        lines.append(f"fp8: {self.fp8.describe() if self.fp8 is not None else 'off (bf16)'}")
+        lines.append(f"compile: {self.compile.mode if self.compile else 'off (eager)'}")
+        return "\n".join(lines)
+
+    def short_label(self) -> str:
+        """A compact label such as ``bf16`` or ``fp8 scaled_mm_rowwise + lora x1 + compiled``."""
+        parts = ["bf16"] if self.fp8 is None else [f"fp8 {self.fp8.backend}"]
+        if self.fp8 is not None and self.fp8.backend == "te":
+            parts[0] += f" {self.fp8.te_recipe.name}"
+        if self.loras:
+            parts.append("+".join(f"{lora.path.stem}x{lora.strength:g}" for lora in self.loras))
+        if self.compile:
+            parts.append("compiled")
+        if self.attention not in ("auto", "sdpa"):
+            parts.append(self.attention)
+        return " + ".join(parts)

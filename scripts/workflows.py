@@ -1,0 +1,346 @@
+"""The single source of the shipped workflows, and the generator of both formats.
+
+Each preset is a small graph described once, here. ``python scripts/workflows.py``
+writes, for every preset:
+
+- ``example_workflows/<name>.json``: the UI format ComfyUI's frontend loads
+  (its template browser lists this folder), with ``properties.models`` saying
+  where each weight file comes from;
+- ``example_workflows/api/<name>.json``: the API-format twin for scripts;
+- ``example_workflows/<name>.jpg``: a thumbnail drawn from the graph.
+
+``python scripts/workflows.py --check`` fails if any written file differs from
+what the source generates (the test suite runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT_DIR = ROOT / "example_workflows"
+API_DIR = OUT_DIR / "api"
+
+DIT = "qwen_image_edit_2509_bf16.safetensors"
+TEXT_ENCODER = "qwen_2.5_vl_7b.safetensors"
+TEXT_ENCODER_FP8 = "qwen_2.5_vl_7b_fp8_scaled.safetensors"
+VAE = "qwen_image_vae.safetensors"
+LIGHTNING_4 = "Qwen-Image-Edit-2509-Lightning-4steps-V1.0-bf16.safetensors"
+LIGHTNING_8 = "Qwen-Image-Edit-2509-Lightning-8steps-V1.0-bf16.safetensors"
+INPUT_IMAGE = "qwen_edit_example.png"
+PROMPT = "Replace the sky with a warm sunset and keep everything else unchanged."
+
+HF = "https://huggingface.co"
+MODEL_SOURCES = {
+    DIT: ("diffusion_models", f"{HF}/Comfy-Org/Qwen-Image-Edit_ComfyUI/resolve/main/split_files/diffusion_models/"
+          f"{DIT}"),
+    TEXT_ENCODER: ("text_encoders", f"{HF}/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/text_encoders/"
+                   f"{TEXT_ENCODER}"),
+    TEXT_ENCODER_FP8: ("text_encoders", f"{HF}/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/text_encoders/"
+                       f"{TEXT_ENCODER_FP8}"),
+    VAE: ("vae", f"{HF}/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/vae/{VAE}"),
+    LIGHTNING_4: ("loras", f"{HF}/lightx2v/Qwen-Image-Lightning/resolve/main/Qwen-Image-Edit-2509/{LIGHTNING_4}"),
+    LIGHTNING_8: ("loras", f"{HF}/lightx2v/Qwen-Image-Lightning/resolve/main/Qwen-Image-Edit-2509/{LIGHTNING_8}"),
+}
+
+# Output slots per node type (name, type), in order; inputs that are links (name, type).
+OUTPUTS = {
+    "LoadImage": [("IMAGE", "IMAGE"), ("MASK", "MASK")],
+    "QwenEditHopper_Load": [("pipe", "QWEN_EDIT"), ("info", "STRING")],
+    "QwenEditHopper_FuseLoRA": [("pipe", "QWEN_EDIT"), ("report", "STRING")],
+    "QwenEditHopper_ApplyFP8": [("pipe", "QWEN_EDIT"), ("report", "STRING")],
+    "QwenEditHopper_Compile": [("pipe", "QWEN_EDIT"), ("info", "STRING")],
+    "QwenEditHopper_Sampler": [("image", "IMAGE"), ("info", "STRING")],
+    "QwenEditHopper_Benchmark": [("chart", "IMAGE"), ("table", "STRING")],
+    "SaveImage": [],
+    "PreviewImage": [],
+    "PreviewAny": [],
+}
+LINK_INPUTS = {
+    "QwenEditHopper_FuseLoRA": [("pipe", "QWEN_EDIT")],
+    "QwenEditHopper_ApplyFP8": [("pipe", "QWEN_EDIT")],
+    "QwenEditHopper_Compile": [("pipe", "QWEN_EDIT")],
+    "QwenEditHopper_Sampler": [("pipe", "QWEN_EDIT"), ("image", "IMAGE"), ("image_2", "IMAGE"),
+                               ("image_3", "IMAGE")],
+    "QwenEditHopper_Benchmark": [("pipe_1", "QWEN_EDIT"), ("image", "IMAGE"), ("pipe_2", "QWEN_EDIT"),
+                                 ("pipe_3", "QWEN_EDIT"), ("pipe_4", "QWEN_EDIT")],
+    "SaveImage": [("images", "IMAGE")],
+    "PreviewImage": [("images", "IMAGE")],
+    "PreviewAny": [("source", "*")],
+}
+CONTROL_AFTER_GENERATE = {"seed"}
+"""Widgets followed by the frontend's 'control after generate' value in widgets_values."""
+
+
+@dataclass
+class Node:
+    id: int
+    type: str
+    widgets: dict[str, Any] = field(default_factory=dict)
+    links: dict[str, tuple[int, int]] = field(default_factory=dict)
+    pos: tuple[int, int] = (0, 0)
+    title: str | None = None
+
+
+@dataclass
+class Workflow:
+    name: str
+    title: str
+    description: str
+    nodes: list[Node]
+
+    def node(self, node_id: int) -> Node:
+        return next(n for n in self.nodes if n.id == node_id)
+
+
+def _loader(node_id: int, pos, text_encoder: str = TEXT_ENCODER, attention: str = "auto") -> Node:
+    return Node(node_id, "QwenEditHopper_Load", {
+        "diffusion_model": DIT, "text_encoder": text_encoder, "vae": VAE,
+        "diffusers_folder": "(none: use the three files)", "variant": "auto", "attention": attention,
+    }, pos=pos)
+
+
+def _sampler(node_id: int, pos, pipe: tuple[int, int], steps: int = 40, cfg: float = 0.0) -> Node:
+    return Node(node_id, "QwenEditHopper_Sampler", {
+        "prompt": PROMPT, "negative_prompt": " ", "seed": 42, "steps": steps, "cfg": cfg, "width": 0,
+        "height": 0, "scheduler": "auto", "reference_megapixels": 1.0,
+    }, links={"pipe": pipe, "image": (1, 0)}, pos=pos)
+
+
+def _fp8(node_id: int, pos, pipe: tuple[int, int], backend: str) -> Node:
+    return Node(node_id, "QwenEditHopper_ApplyFP8", {
+        "backend": backend, "te_recipe": "current_scaling", "fp8_format": "E4M3", "amax_history_len": 16,
+        "amax_compute_algo": "max", "layers": "attn+mlp (default)", "modulation": "fp8 storage",
+    }, links={"pipe": pipe}, pos=pos)
+
+
+def _compile(node_id: int, pos, pipe: tuple[int, int]) -> Node:
+    return Node(node_id, "QwenEditHopper_Compile", {"mode": "default", "dynamic": True},
+                links={"pipe": pipe}, pos=pos)
+
+
+def _lora(node_id: int, pos, pipe: tuple[int, int], name: str) -> Node:
+    return Node(node_id, "QwenEditHopper_FuseLoRA", {"lora_name": name, "strength": 1.0},
+                links={"pipe": pipe}, pos=pos)
+
+
+def _image(node_id: int = 1, pos=(0, 420)) -> Node:
+    return Node(node_id, "LoadImage", {"image": INPUT_IMAGE}, pos=pos)
+
+
+def _save(node_id: int, pos, source: tuple[int, int], prefix: str) -> Node:
+    return Node(node_id, "SaveImage", {"filename_prefix": prefix}, links={"images": source}, pos=pos)
+
+
+def preset_bf16_baseline() -> Workflow:
+    return Workflow("qwen_edit_bf16_baseline", "bf16 baseline",
+                    "Reference quality and speed: bf16 weights, eager PyTorch, SDPA attention, 40 steps, true CFG.",
+                    [_image(), _loader(2, (0, 0)), _sampler(3, (420, 0), (2, 0)),
+                     _save(4, (840, 0), (3, 0), "qwen_edit_bf16")])
+
+
+def preset_te_fp8() -> Workflow:
+    return Workflow("qwen_edit_te_fp8", "TE-FP8",
+                    "FP8 compute through NVIDIA Transformer Engine (current scaling) on Hopper.",
+                    [_image(), _loader(2, (0, 0)), _fp8(3, (420, 0), (2, 0), "te"),
+                     _sampler(4, (840, 0), (3, 0)), _save(5, (1260, 0), (4, 0), "qwen_edit_te_fp8")])
+
+
+def preset_fastest() -> Workflow:
+    return Workflow("qwen_edit_fastest", "fastest",
+                    "The fastest correct combination on one Hopper GPU: row-wise FP8 scaled-mm, compiled blocks.",
+                    [_image(), _loader(2, (0, 0)), _fp8(3, (420, 0), (2, 0), "scaled_mm_rowwise"),
+                     _compile(4, (840, 0), (3, 0)), _sampler(5, (1260, 0), (4, 0)),
+                     _save(6, (1680, 0), (5, 0), "qwen_edit_fastest")])
+
+
+def preset_lora_fused() -> Workflow:
+    return Workflow("qwen_edit_lora_fused", "LoRA fused",
+                    "A LoRA fused into the bf16 weights (exactly removable), then FP8: fusion always comes first.",
+                    [_image(), _loader(2, (0, 0)), _lora(3, (420, 0), (2, 0), LIGHTNING_8),
+                     _fp8(4, (840, 0), (3, 0), "scaled_mm_rowwise"), _sampler(5, (1260, 0), (4, 0), steps=8),
+                     _save(6, (1680, 0), (5, 0), "qwen_edit_lora")])
+
+
+def preset_lightning_4step() -> Workflow:
+    return Workflow("qwen_edit_lightning_4step", "Lightning 4-step",
+                    "Lightning 4-step LoRA (scheduler and cfg 1 chosen automatically), FP8 and compile.",
+                    [_image(), _loader(2, (0, 0)), _lora(3, (420, 0), (2, 0), LIGHTNING_4),
+                     _fp8(4, (840, 0), (3, 0), "scaled_mm_rowwise"), _compile(5, (1260, 0), (4, 0)),
+                     _sampler(6, (1680, 0), (5, 0), steps=4), _save(7, (2100, 0), (6, 0), "qwen_edit_lightning")])
+
+
+def preset_low_vram() -> Workflow:
+    return Workflow("qwen_edit_low_vram", "low VRAM",
+                    "FP8 weight storage (bf16 compute) and the fp8_scaled text encoder: about half the weight memory.",
+                    [_image(), _loader(2, (0, 0), text_encoder=TEXT_ENCODER_FP8),
+                     _fp8(3, (420, 0), (2, 0), "weight_only"), _sampler(4, (840, 0), (3, 0)),
+                     _save(5, (1260, 0), (4, 0), "qwen_edit_low_vram")])
+
+
+def preset_benchmark() -> Workflow:
+    bench = Node(6, "QwenEditHopper_Benchmark", {
+        "prompt": PROMPT, "steps": 8, "warmup": 1, "repeats": 2, "width": 0, "height": 0, "seed": 42,
+    }, links={"pipe_1": (2, 0), "image": (1, 0), "pipe_2": (3, 0), "pipe_3": (5, 0)}, pos=(1260, 0))
+    return Workflow("qwen_edit_benchmark", "benchmark",
+                    "Compares presets side by side on one loaded base: seconds per step and image, peak VRAM, "
+                    "PSNR/SSIM against the first (bf16) variant.",
+                    [_image(), _loader(2, (0, 0)), _fp8(3, (420, 200), (2, 0), "te"),
+                     _fp8(4, (420, 500), (2, 0), "scaled_mm_rowwise"), _compile(5, (840, 500), (4, 0)), bench,
+                     Node(7, "PreviewImage", links={"images": (6, 0)}, pos=(1680, 0)),
+                     Node(8, "PreviewAny", links={"source": (6, 1)}, pos=(1680, 400))])
+
+
+PRESETS: list[Callable[[], Workflow]] = [
+    preset_bf16_baseline, preset_te_fp8, preset_fastest, preset_lora_fused, preset_lightning_4step,
+    preset_low_vram, preset_benchmark,
+]
+
+
+def widget_values(node: Node) -> list[Any]:
+    values = []
+    for name, value in node.widgets.items():
+        values.append(value)
+        if name in CONTROL_AFTER_GENERATE:
+            values.append("fixed")
+    if node.type == "LoadImage":
+        values.append("image")
+    return values
+
+
+def models_of(workflow: Workflow) -> list[dict[str, str]]:
+    models = []
+    for node in workflow.nodes:
+        for value in node.widgets.values():
+            if isinstance(value, str) and value in MODEL_SOURCES:
+                directory, url = MODEL_SOURCES[value]
+                models.append({"name": value, "url": url, "directory": directory})
+    return models
+
+
+def to_ui(workflow: Workflow) -> dict[str, Any]:
+    """The frontend's workflow format (litegraph, version 0.4)."""
+    links, link_ids = [], {}
+    for node in workflow.nodes:
+        for input_name, (source_id, slot) in node.links.items():
+            link_id = len(links) + 1
+            source_type = OUTPUTS[workflow.node(source_id).type][slot][1]
+            links.append([link_id, source_id, slot, node.id, _input_slot(node, input_name), source_type])
+            link_ids[(node.id, input_name)] = link_id
+    ui_nodes = []
+    for order, node in enumerate(workflow.nodes):
+        inputs = [{"name": name, "type": kind, "link": link_ids.get((node.id, name))}
+                  for name, kind in _linked_inputs(node)]
+        outputs = []
+        for slot, (name, kind) in enumerate(OUTPUTS[node.type]):
+            outputs.append({"name": name, "type": kind, "slot_index": slot,
+                            "links": [link[0] for link in links if link[1] == node.id and link[2] == slot]})
+        properties: dict[str, Any] = {"Node name for S&R": node.type}
+        node_models = list(models_of(Workflow("", "", "", [node])))
+        if node_models:
+            properties["models"] = node_models
+        ui_nodes.append({
+            "id": node.id, "type": node.type, "pos": list(node.pos), "size": [380, 260], "flags": {},
+            "order": order, "mode": 0, "inputs": inputs, "outputs": outputs, "properties": properties,
+            "widgets_values": widget_values(node), **({"title": node.title} if node.title else {}),
+        })
+    return {
+        "id": f"qwen-edit-hopper-{workflow.name}", "revision": 0, "last_node_id": max(n.id for n in workflow.nodes),
+        "last_link_id": len(links), "nodes": ui_nodes, "links": links, "groups": [], "config": {},
+        "extra": {"ds": {"scale": 0.8, "offset": [40, 40]}, "info": {"title": workflow.title,
+                                                                       "description": workflow.description}},
+        "version": 0.4, "models": models_of(workflow),
+    }
+
+
+def _linked_inputs(node: Node) -> list[tuple[str, str]]:
+    """Link inputs the frontend shows on this node: connected ones plus the node's non-optional sockets."""
+    declared = LINK_INPUTS.get(node.type, [])
+    return [(name, kind) for name, kind in declared if name in node.links]
+
+
+def _input_slot(node: Node, input_name: str) -> int:
+    return [name for name, _ in _linked_inputs(node)].index(input_name)
+
+
+def to_api(workflow: Workflow) -> dict[str, Any]:
+    """ComfyUI's API prompt format: {node_id: {class_type, inputs}}."""
+    prompt = {}
+    for node in workflow.nodes:
+        inputs: dict[str, Any] = dict(node.widgets)
+        if node.type == "LoadImage":
+            inputs["upload"] = "image"
+        for name, (source_id, slot) in node.links.items():
+            inputs[name] = [str(source_id), slot]
+        prompt[str(node.id)] = {"class_type": node.type, "inputs": inputs,
+                                "_meta": {"title": node.title or node.type}}
+    return prompt
+
+
+def thumbnail(workflow: Workflow) -> bytes:
+    """A JPEG sketch of the graph: one box per node, arrows for links."""
+    from PIL import Image, ImageDraw
+
+    scale, pad = 0.22, 20
+    width = int(max(n.pos[0] for n in workflow.nodes) * scale) + 2 * pad + 90
+    height = int(max(n.pos[1] for n in workflow.nodes) * scale) + 2 * pad + 50
+    image = Image.new("RGB", (max(width, 320), max(height, 180)), (32, 34, 40))
+    draw = ImageDraw.Draw(image)
+    boxes = {}
+    for node in workflow.nodes:
+        x, y = pad + node.pos[0] * scale, pad + node.pos[1] * scale
+        boxes[node.id] = (x, y, x + 84, y + 40)
+    for node in workflow.nodes:
+        for source_id, _slot in node.links.values():
+            sx = boxes[source_id]
+            tx = boxes[node.id]
+            draw.line([(sx[2], (sx[1] + sx[3]) / 2), (tx[0], (tx[1] + tx[3]) / 2)], fill=(140, 180, 240), width=2)
+    for node in workflow.nodes:
+        ours = node.type.startswith("QwenEditHopper_")
+        draw.rectangle(boxes[node.id], fill=(70, 90, 140) if ours else (70, 70, 70), outline=(200, 200, 200))
+        label = node.type.replace("QwenEditHopper_", "")[:13]
+        draw.text((boxes[node.id][0] + 4, boxes[node.id][1] + 14), label, fill=(240, 240, 240))
+    draw.text((pad, image.height - 16), workflow.title, fill=(240, 200, 120))
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=85)
+    return buffer.getvalue()
+
+
+def rendered() -> dict[Path, bytes]:
+    files = {}
+    for preset in PRESETS:
+        workflow = preset()
+        files[OUT_DIR / f"{workflow.name}.json"] = (json.dumps(to_ui(workflow), indent=2) + "\n").encode()
+        files[API_DIR / f"{workflow.name}.json"] = (json.dumps(to_api(workflow), indent=2) + "\n").encode()
+        files[OUT_DIR / f"{workflow.name}.jpg"] = thumbnail(workflow)
+    return files
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if the written files differ from the source")
+    args = parser.parse_args()
+    files = rendered()
+    if args.check:
+        stale = [str(p.relative_to(ROOT)) for p, data in files.items()
+                 if p.suffix == ".json" and (not p.exists() or p.read_bytes() != data)]
+        if stale:
+            print("workflows out of date (run python scripts/workflows.py):", *stale, sep="\n  ")
+            return 1
+        return 0
+    API_DIR.mkdir(parents=True, exist_ok=True)
+    for path, data in files.items():
+        path.write_bytes(data)
+        print("wrote", path.relative_to(ROOT))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Pytest fixtures: a real ComfyUI server with this pack, and its log on failure."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from comfy_server import ComfyServer
+
+SERVERS: list[ComfyServer] = []
+NETGUARD_DIR = Path(__file__).resolve().parent / "netguard"
+
+
+def guarded_server(base: Path) -> ComfyServer:
+    """A server whose Python refuses and logs every non-loopback connection (base/netguard.log)."""
+    pythonpath = os.pathsep.join(p for p in (str(NETGUARD_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return ComfyServer(base, env={"PYTHONPATH": pythonpath, "QWEN_EDIT_NETGUARD_LOG": str(base / "netguard.log")})
+
+
+@pytest.fixture(scope="session")
+def comfy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
+    """One ComfyUI server for the session, with the tiny checkpoints in its model folders."""
+    from fixtures_models import install_tiny_models
+
+    base = tmp_path_factory.mktemp("comfy")
+    install_tiny_models(base / "models")
+    server = guarded_server(base).start()
+    SERVERS.append(server)
+    try:
+        yield server
+    finally:
+        server.stop()
+        SERVERS.remove(server)
+
+
+@pytest.fixture
+def fresh_comfy(tmp_path: Path) -> Iterator[ComfyServer]:
+    """A server of its own for a test that measures or disturbs process state."""
+    from fixtures_models import install_tiny_models
+
+    install_tiny_models(tmp_path / "models")
+    server = guarded_server(tmp_path).start()
+    SERVERS.append(server)
+    try:
+        yield server
+    finally:
+        server.stop()
+        SERVERS.remove(server)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Attach the log of every running server to a failing test's report."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and SERVERS:
+        for server in SERVERS:
+            report.sections.append((f"ComfyUI server log ({server.base_dir})", server.log_tail()))
