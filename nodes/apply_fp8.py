@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import comfy.model_management as mm
 from comfy_api.latest import io
 
@@ -13,19 +15,35 @@ TE_RECIPES = ["current", "delayed", "block", "mxfp8", "nvfp4"]
 MODULATION = ["fp8 storage", "bf16"]
 
 
+EMULATE_ENV = "QWEN_EDIT_FP8_EMULATE"
+"""Set to 1 (tests on CPU machines do) to run FP8 math in an fp32 reference path where the real backend
+cannot run: same quantization, no speed; the node's report says so. Never on by default."""
+
+
 def build_config(backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation):
-    """The fp8 package's frozen config from the node's widgets (ValueError names a bad field)."""
-    from ..fp8 import Fp8Config, TeRecipeConfig
+    """The fp8 package's frozen config from the node's widgets (ValueError names a bad field).
+
+    Returns (config, note): with QWEN_EDIT_FP8_EMULATE=1 and a backend that cannot run here, the config
+    emulates it (Transformer Engine current scaling as per-tensor scaled-mm) and ``note`` says so.
+    """
+    from ..fp8 import Fp8Config, TeRecipeConfig, check_backend
 
     recipe = TeRecipeConfig(
         name=te_recipe, fp8_format=fp8_format, amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo
     )
-    return Fp8Config(
-        backend=backend,
-        preset=layers,
-        storage_layers="fp8" if modulation == "fp8 storage" else "bf16",
-        te_recipe=recipe,
+    storage = "fp8" if modulation == "fp8 storage" else "bf16"
+    config = Fp8Config(backend=backend, preset=layers, storage_layers=storage, te_recipe=recipe)
+    if os.environ.get(EMULATE_ENV) != "1" or backend == "weight_only":
+        return config, ""
+    capability = check_backend(config, mm.get_torch_device())
+    if capability.ok:
+        return config, ""
+    emulated = "scaled_mm_tensorwise" if backend == "te" else backend
+    note = (
+        f"EMULATED: {backend} cannot run here ({capability.reason}); {EMULATE_ENV}=1 runs it as {emulated} "
+        "in an fp32 reference path (same quantization, no speed)"
     )
+    return Fp8Config(backend=emulated, preset=layers, storage_layers=storage, emulate=True), note
 
 
 class ApplyFP8(io.ComfyNode):
@@ -106,7 +124,7 @@ class ApplyFP8(io.ComfyNode):
         from ..fp8 import check_backend
 
         try:
-            config = build_config(
+            config, _ = build_config(
                 backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation
             )
         except (TypeError, ValueError) as error:
@@ -125,9 +143,11 @@ class ApplyFP8(io.ComfyNode):
 
         if not isinstance(pipe, PipePlan):
             raise NodeInputError("pipe: expected the output of Load Qwen Edit")
-        config = build_config(backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation)
+        config, note = build_config(
+            backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation
+        )
         decisions = plan_linears(dit_on_meta(pipe.files), config)
-        lines = [f"FP8: {config.describe()}"]
+        lines = [f"FP8: {config.describe()}", *([note] if note else [])]
         counts: dict[str, int] = {}
         for decision in decisions:
             counts[decision.action] = counts.get(decision.action, 0) + 1

@@ -10,6 +10,7 @@ class QwenEditExtension(ComfyExtension):
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         from .apply_fp8 import ApplyFP8
+        from .benchmark import Benchmark
         from .common import register_model_folders
         from .compile_model import CompileModel
         from .fuse_lora import FuseLoRA
@@ -17,4 +18,4 @@ class QwenEditExtension(ComfyExtension):
         from .sampler import QwenEditSampler
 
         register_model_folders()
-        return [LoadQwenEdit, FuseLoRA, ApplyFP8, CompileModel, QwenEditSampler]
+        return [LoadQwenEdit, FuseLoRA, ApplyFP8, CompileModel, QwenEditSampler, Benchmark]

@@ -75,7 +75,7 @@ LINK_INPUTS = {
     "PreviewImage": [("images", "IMAGE")],
     "PreviewAny": [("source", "*")],
 }
-CONTROL_AFTER_GENERATE = {"seed"}
+CONTROL_AFTER_GENERATE = {("QwenEditHopper_Sampler", "seed")}
 """Widgets followed by the frontend's 'control after generate' value in widgets_values."""
 
 
@@ -116,14 +116,14 @@ def _sampler(node_id: int, pos, pipe: tuple[int, int], steps: int = 40, cfg: flo
 
 def _fp8(node_id: int, pos, pipe: tuple[int, int], backend: str) -> Node:
     return Node(node_id, "QwenEditHopper_ApplyFP8", {
-        "backend": backend, "te_recipe": "current_scaling", "fp8_format": "E4M3", "amax_history_len": 16,
-        "amax_compute_algo": "max", "layers": "attn+mlp (default)", "modulation": "fp8 storage",
+        "backend": backend, "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
+        "amax_compute_algo": "max", "layers": "attn+mlp", "modulation": "fp8 storage",
     }, links={"pipe": pipe}, pos=pos)
 
 
 def _compile(node_id: int, pos, pipe: tuple[int, int]) -> Node:
-    return Node(node_id, "QwenEditHopper_Compile", {"mode": "default", "dynamic": True},
-                links={"pipe": pipe}, pos=pos)
+    return Node(node_id, "QwenEditHopper_Compile", {"mode": "default", "dynamic": True, "warmup": False,
+                                                     "warmup_size": 1024}, links={"pipe": pipe}, pos=pos)
 
 
 def _lora(node_id: int, pos, pipe: tuple[int, int], name: str) -> Node:
@@ -187,7 +187,8 @@ def preset_low_vram() -> Workflow:
 
 def preset_benchmark() -> Workflow:
     bench = Node(6, "QwenEditHopper_Benchmark", {
-        "prompt": PROMPT, "steps": 8, "warmup": 1, "repeats": 2, "width": 0, "height": 0, "seed": 42,
+        "prompt": PROMPT, "steps": 8, "warmup": 1, "repeats": 2, "width": 0, "height": 0, "seed": 42, "cfg": 4.0,
+        "reference_megapixels": 1.0,
     }, links={"pipe_1": (2, 0), "image": (1, 0), "pipe_2": (3, 0), "pipe_3": (5, 0)}, pos=(1260, 0))
     return Workflow("qwen_edit_benchmark", "benchmark",
                     "Compares presets side by side on one loaded base: seconds per step and image, peak VRAM, "
@@ -208,7 +209,7 @@ def widget_values(node: Node) -> list[Any]:
     values = []
     for name, value in node.widgets.items():
         values.append(value)
-        if name in CONTROL_AFTER_GENERATE:
+        if (node.type, name) in CONTROL_AFTER_GENERATE:
             values.append("fixed")
     if node.type == "LoadImage":
         values.append("image")

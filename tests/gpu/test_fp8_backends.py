@@ -168,11 +168,19 @@ def test_rowwise_linear_compiles_fullgraph_and_quantize_fuses_into_layer_norm(ge
     def block(inp):  # norm -> modulate -> fp8 linear, the Qwen block pattern
         return layer(norm(inp) * (1 + scale) + shift)
 
+    def reference(inp):  # the same block in bf16 (no fp8): what both fp8 paths approximate
+        return nn.functional.linear(norm(inp) * (1 + scale) + shift, lin.weight, lin.bias)
+
     torch._dynamo.reset()
     with torch.no_grad():
         eager = block(x)
+        exact = reference(x)
         compiled, codes = run_and_get_code(torch.compile(block, fullgraph=True), x)
-    assert relative_error(compiled, eager) < 1e-2
+    # Compiled and eager quantize from differently rounded norm outputs (fp32 in the fused kernel), so they
+    # differ by fp8 rounding (~2e-2 measured on an H200); each must stay as close to bf16 as one fp8 GEMM.
+    eager_error, compiled_error = relative_error(eager, exact), relative_error(compiled, exact)
+    assert compiled_error < 4.5e-2
+    assert compiled_error < 1.25 * eager_error
     kernels = sorted(set(re.findall(r"\b(triton_\w+)", "\n".join(codes))))
     print("\nkernels:", kernels)
     assert any("amax" in k and ("layer_norm" in k or "var_mean" in k) for k in kernels), kernels

@@ -1,0 +1,207 @@
+"""One Qwen-Image transformer block as a plain function: DiffSynth's ``QwenImageTransformerBlock`` math.
+
+:func:`fast_block` computes what ``QwenImageTransformerBlock.forward`` computes (modulation,
+LayerNorm, Q/K/V, QK RMSNorm, RoPE, joint attention, output projections, gated residuals, MLPs)
+for a batch, written so that ``torch.compile`` turns the elementwise work into few kernels:
+
+* Q/K/V: one GEMM per stream when :func:`.qkv.fuse_qkv` has run (``attn.to_qkv``,
+  ``attn.add_qkv_proj``), else DiffSynth's three.
+* QK RMSNorm and RoPE in one pass per q/k (:func:`qk_norm_rope`, real cos/sin, no complex ops),
+  writing straight into the joint sequence.
+* modulation: the six shift/scale/gate vectors of each stream come from one GEMM and are views
+  (no copies); ``norm -> (1 + scale) * x + shift`` is one ``addcmul`` and the gated residuals are
+  ``addcmul`` too (one pass each in eager, fused into neighbours by Inductor).
+* attention through :func:`...fp8.attention.attention` (the user's backend) on the joint sequence
+  ``[image, text]``; right-padded text is handled per sample (valid keys only) or by an SDPA key mask.
+
+No ``.item()`` / ``.tolist()``: nothing here syncs with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ...fp8.attention import attention
+from .qkv import FUSED_IMAGE, FUSED_TEXT
+
+MASK_BACKENDS: dict[str, SDPBackend | None] = {
+    "sdpa": None,
+    "sdpa_math": SDPBackend.MATH,
+    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+}
+"""Attention backends that take a key mask (``text_padding="mask"``): SDPA, PyTorch's choice or forced."""
+
+
+def qk_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """DiffSynth's ``RMSNorm`` over the head dim, then its ``apply_rotary_emb_qwen``, as real ops in one pass.
+
+    Args:
+        x: (B, S, H, Dh) q or k, any strides (e.g. a view into a fused QKV output), bf16 or fp32.
+        weight: (Dh,) RMSNorm weight (None: no affine).
+        eps: RMSNorm epsilon.
+        cos, sin: (S, Dh // 2) float32, the real and imaginary parts of DiffSynth's ``freqs_cis``.
+
+    Returns:
+        (B, S, H, Dh) contiguous in ``x.dtype``. Rounding points are DiffSynth's: the normalized value is
+        cast to ``x.dtype`` before the weight multiply, the rotation runs in float32 and is cast back.
+    """
+    dtype = x.dtype
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(dtype)
+    if weight is not None:
+        y = y * weight
+    pairs = y.float().unflatten(-1, (-1, 2))
+    re, im = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack((re * c - im * s, re * s + im * c), dim=-1).flatten(-2).to(dtype)
+
+
+def _mod_params(mod: torch.Tensor, dim: int, selector: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Six (shift, scale, gate) x (attention, MLP) vectors from a modulation GEMM output.
+
+    mod: (Bm, 6 * dim). Without ``selector``: six (Bm, 1, dim) views. With ``selector`` (1, S, 1) bool
+    (zero_cond_t): ``mod`` is (2 * Bt, 6 * dim), rows ``[:Bt]`` for the real timestep (target tokens,
+    selector True) and ``[Bt:]`` for timestep 0 (reference tokens); each output is (Bt, S, dim).
+    """
+    p = mod.unflatten(-1, (6, dim)).unsqueeze(1)
+    if selector is None:
+        return p.unbind(2)
+    n = p.shape[0] // 2
+    first, second = p[:n], p[n:]
+    return tuple(torch.where(selector, first[:, :, j], second[:, :, j]) for j in range(6))
+
+
+def _modulate(x: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``LayerNorm(x) * (1 + scale) + shift`` (no affine LayerNorm), x (B, S, D)."""
+    return torch.addcmul(shift, F.layer_norm(x, (x.shape[-1],), eps=eps), 1 + scale)
+
+
+def _qkv(attn: torch.nn.Module, x: torch.Tensor, image_stream: bool) -> tuple[torch.Tensor, ...]:
+    """q, k, v of one stream, each (B, S, H, Dh) (views into one GEMM output when fused)."""
+    heads, head_dim = attn.num_heads, attn.head_dim
+    fused = getattr(attn, FUSED_IMAGE if image_stream else FUSED_TEXT, None)
+    if fused is not None:
+        return fused(x).unflatten(-1, (3, heads, head_dim)).unbind(2)
+    projections = (attn.to_q, attn.to_k, attn.to_v) if image_stream else (attn.add_q_proj, attn.add_k_proj,
+                                                                          attn.add_v_proj)
+    return tuple(p(x).unflatten(-1, (heads, head_dim)) for p in projections)
+
+
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """DiffSynth's ``QwenFeedForward``: ``net[0]`` (Linear + x * sigmoid(1.702 x)), ``net[2]``.
+
+    ``net[1]`` is ``Dropout(p=0.0)``, an identity; it is skipped so no RNG op enters the graph.
+    """
+    return mlp.net[2](mlp.net[0](x))
+
+
+def length_carriers(lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Valid text lengths as tensor sizes: one (n_i, 0) tensor per sample (zero elements, no memory).
+
+    A Python int argument makes dynamo specialize the graph on its value (and recompile when a new prompt
+    length comes); a tensor size can be marked dynamic like the sequence dims.
+    """
+    return tuple(torch.empty((n, 0), device=device) for n in lens)
+
+
+def joint_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    image_tokens: int,
+    txt_lens: tuple[torch.Tensor, ...] | None,
+    key_mask: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    """Attention over ``[image, text]`` with right-padded text; returns (B, S, H * Dh).
+
+    q, k, v: (B, H, S, Dh), S = image_tokens + L.
+
+    * ``key_mask`` (B, 1, 1, S) bool given: one SDPA call with the mask (``backend`` in
+      :data:`MASK_BACKENDS`); padded query rows get finite outputs that are discarded later.
+    * ``txt_lens`` given (length carriers, see :func:`length_carriers`): per sample, attention over its
+      first ``image_tokens + txt_lens[i].shape[0]`` tokens through ``fp8.attention.attention(backend)``
+      (every backend, exact, no mask); padded query rows are zero.
+    * neither: one batched ``fp8.attention.attention`` call (no padding anywhere).
+    """
+    if key_mask is not None:
+        kind = MASK_BACKENDS[backend]
+        if kind is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        else:
+            with sdpa_kernel([kind]):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        return out.transpose(1, 2).flatten(2)
+    if txt_lens is None:
+        return attention(q, k, v, backend)
+    total = q.shape[2]
+    outs = []
+    for i, carrier in enumerate(txt_lens):
+        valid = image_tokens + carrier.shape[0]
+        o = attention(q[i : i + 1, :, :valid], k[i : i + 1, :, :valid], v[i : i + 1, :, :valid], backend)
+        outs.append(F.pad(o, (0, 0, 0, total - valid)))
+    return torch.cat(outs, dim=0)
+
+
+def fast_block(
+    block: torch.nn.Module,
+    image: torch.Tensor,
+    text: torch.Tensor,
+    temb_img: torch.Tensor,
+    temb_txt: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    selector: torch.Tensor | None,
+    txt_lens: tuple[int, ...] | None,
+    key_mask: torch.Tensor | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ``QwenImageTransformerBlock`` forward; returns ``(image, text)`` (DiffSynth returns ``(text, image)``).
+
+    Args:
+        block: a DiffSynth ``QwenImageTransformerBlock`` (optionally after :func:`.qkv.fuse_qkv` and
+            ``fp8.quantize_linears``).
+        image: (B, S_img, D) image tokens (target, then references).
+        text: (B, L, D) text tokens, right-padded.
+        temb_img: (Bt, D), or (2 * Bt, D) with ``selector``: ``silu(conditioning)`` for ``img_mod``;
+            Bt is 1 or B.
+        temb_txt: (Bt, D) ``silu(conditioning)`` for ``txt_mod``.
+        cos, sin: (S_img + L, Dh // 2) float32 RoPE tables (:func:`.rope.rope_tables`).
+        selector: None, or zero_cond_t's (1, S_img, 1) bool (True: target token, modulated with the real
+            timestep; False: reference token, modulated with timestep 0).
+        txt_lens: None (no padding), or valid text tokens per sample as :func:`length_carriers`
+            (per-sample attention).
+        key_mask: None, or a (B, 1, 1, S_img + L) bool SDPA key mask.
+        backend: attention backend name (``fp8.attention.BACKENDS``).
+
+    Returns:
+        ``(image, text)`` with the input shapes and dtypes.
+    """
+    attn = block.attn
+    dim = image.shape[-1]
+    si = image.shape[1]
+    img_p = _mod_params(block.img_mod[1](temb_img), dim, selector)
+    txt_p = _mod_params(block.txt_mod[1](temb_txt), dim, None)
+
+    q_i, k_i, v_i = _qkv(attn, _modulate(image, block.img_norm1.eps, img_p[0], img_p[1]), image_stream=True)
+    q_t, k_t, v_t = _qkv(attn, _modulate(text, block.txt_norm1.eps, txt_p[0], txt_p[1]), image_stream=False)
+    cos_i, sin_i, cos_t, sin_t = cos[:si], sin[:si], cos[si:], sin[si:]
+    q = torch.cat([qk_norm_rope(q_i, attn.norm_q.weight, attn.norm_q.eps, cos_i, sin_i),
+                   qk_norm_rope(q_t, attn.norm_added_q.weight, attn.norm_added_q.eps, cos_t, sin_t)], dim=1)
+    k = torch.cat([qk_norm_rope(k_i, attn.norm_k.weight, attn.norm_k.eps, cos_i, sin_i),
+                   qk_norm_rope(k_t, attn.norm_added_k.weight, attn.norm_added_k.eps, cos_t, sin_t)], dim=1)
+    v = torch.cat([v_i, v_t], dim=1)
+    out = joint_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), si, txt_lens, key_mask, backend)
+
+    image = torch.addcmul(image, img_p[2], attn.to_out[0](out[:, :si]))
+    text = torch.addcmul(text, txt_p[2], attn.to_add_out(out[:, si:]))
+    image = torch.addcmul(image, img_p[5], _mlp(block.img_mlp, _modulate(image, block.img_norm2.eps, img_p[3],
+                                                                         img_p[4])))
+    text = torch.addcmul(text, txt_p[5], _mlp(block.txt_mlp, _modulate(text, block.txt_norm2.eps, txt_p[3],
+                                                                       txt_p[4])))
+    return image, text

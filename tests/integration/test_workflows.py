@@ -1,0 +1,89 @@
+"""The shipped workflows: generated twins never drift, and every API twin runs on the real server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from comfy_server import ComfyServer
+from fixtures_models import install_tiny_models
+from fixtures_server import SERVERS, guarded_server
+from prompts import read_image, write_image
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from workflows import INPUT_IMAGE, PRESETS, to_api, widget_values  # noqa: E402
+
+WORKFLOWS = sorted(p().name for p in PRESETS)
+
+
+@pytest.fixture(scope="module")
+def emulating_comfy(tmp_path_factory):
+    """A server where FP8 backends that cannot run on this CPU are emulated (reported in the node output)."""
+    base = tmp_path_factory.mktemp("comfy_workflows")
+    install_tiny_models(base / "models")
+    server = guarded_server(base)
+    server.env["QWEN_EDIT_FP8_EMULATE"] = "1"
+    server.start()
+    write_image(server.input_dir / INPUT_IMAGE, 128, 96, seed=5)
+    SERVERS.append(server)
+    yield server
+    server.stop()
+    SERVERS.remove(server)
+
+
+def test_api_twins_and_ui_files_match_their_source():
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "workflows.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_preset_has_a_ui_workflow_an_api_twin_and_a_thumbnail():
+    for name in WORKFLOWS:
+        ui = json.loads((ROOT / "example_workflows" / f"{name}.json").read_text())
+        assert (ROOT / "example_workflows" / "api" / f"{name}.json").exists()
+        assert (ROOT / "example_workflows" / f"{name}.jpg").stat().st_size > 1000
+        models = [m for node in ui["nodes"] for m in node["properties"].get("models", [])]
+        assert models, f"{name} carries no properties.models"
+        assert all(m["url"].startswith("https://") and m["directory"] for m in models)
+
+
+def test_widget_order_matches_the_servers_input_order(emulating_comfy: ComfyServer):
+    """widgets_values are positional: their order must be the order the frontend builds widgets in."""
+    info = emulating_comfy.object_info()
+    widget_types = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+    for preset in PRESETS:
+        for node in preset().nodes:
+            spec = info[node.type]
+            order = spec["input_order"]["required"] + spec["input_order"].get("optional", [])
+            inputs = {**spec["input"]["required"], **spec["input"].get("optional", {})}
+            widgets = [n for n in order if isinstance(inputs[n][0], list) or inputs[n][0] in widget_types]
+            widgets = [n for n in widgets if not (node.type == "LoadImage" and n == "upload")]
+            assert list(node.widgets) == widgets, f"{preset().name}: {node.type} widgets out of order"
+            assert len(widget_values(node)) >= len(widgets)
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_every_api_twin_completes_and_writes_its_image(emulating_comfy: ComfyServer, name: str):
+    prompt = json.loads((ROOT / "example_workflows" / "api" / f"{name}.json").read_text())
+    started = time.monotonic()
+    entry = emulating_comfy.run(prompt, timeout=1800)
+    images = emulating_comfy.output_files(entry)
+    assert images, f"{name} wrote no image"
+    for path in images:
+        assert read_image(path).std() > 1.0
+    texts = " ".join(t for out in entry["outputs"].values() for t in out.get("text", []))
+    if name == "qwen_edit_benchmark":
+        assert "| variant |" in texts and "CPU figures" in texts
+    print(f"{name}: {time.monotonic() - started:.1f} s")
+
+
+def test_api_twins_are_what_the_source_generates():
+    for preset in PRESETS:
+        workflow = preset()
+        written = json.loads((ROOT / "example_workflows" / "api" / f"{workflow.name}.json").read_text())
+        assert written == json.loads(json.dumps(to_api(workflow)))
