@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 
 import comfy.model_management as mm
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..qwen_edit.plan import PipePlan
-from .common import CATEGORY, PIPE, NodeInputError
+from .common import CATEGORY, PIPE, NodeInputError, check_choices
 
 BACKENDS = ["scaled_mm_rowwise", "te", "scaled_mm_tensorwise", "weight_only"]
 TE_RECIPES = ["current", "delayed", "block", "mxfp8", "nvfp4"]
@@ -121,8 +121,14 @@ class ApplyFP8(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation):
-        from ..fp8 import check_backend
+        from ..fp8 import check_backend, preset_names
 
+        problem = check_choices(backend=(backend, BACKENDS), te_recipe=(te_recipe, TE_RECIPES),
+                                fp8_format=(fp8_format, ["E4M3", "HYBRID"]),
+                                amax_compute_algo=(amax_compute_algo, ["max", "most_recent"]),
+                                layers=(layers, preset_names()), modulation=(modulation, MODULATION))
+        if problem:
+            return problem
         try:
             config, _ = build_config(
                 backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation
@@ -158,4 +164,5 @@ class ApplyFP8(io.ComfyNode):
         for (action, reason), names in sorted(reasons.items()):
             shown = ", ".join(names[:4]) + (f" ... (+{len(names) - 4})" if len(names) > 4 else "")
             lines.append(f"{action} ({reason}): {shown}")
-        return io.NodeOutput(pipe.with_fp8(config), "\n".join(lines))
+        info = "\n".join(lines)
+        return io.NodeOutput(pipe.with_fp8(config), info, ui=ui.PreviewText(info))

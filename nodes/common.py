@@ -75,6 +75,17 @@ def check_model_file_choice(folder_name: str, name: str, input_name: str) -> Non
                              "loaded, so this pack reads only .safetensors; use the .safetensors release of this model")
 
 
+def check_choices(**choices: tuple[object, list]) -> str | None:
+    """ComfyUI 0.3.75 does not check V3 combo values against their options: nodes call this.
+
+    ``choices``: input name -> (value, allowed options). Returns the first problem as a message, or None.
+    """
+    for name, (value, options) in choices.items():
+        if value not in options:
+            return f"{name} '{value}' is not one of {', '.join(map(str, options))}"
+    return None
+
+
 def model_choices(folder_name: str, placeholder: str = "") -> list[str]:
     """Files of a ComfyUI model folder for a combo (never empty: the frontend needs one option)."""
     names = folder_paths.get_filename_list(folder_name)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 
 import comfy.model_management as mm
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..qwen_edit.compile import MODES
 from ..qwen_edit.plan import CompileChoice, PipePlan
 from .comfy_memory import runtime
-from .common import CATEGORY, PIPE, NodeInputError
+from .common import CATEGORY, PIPE, NodeInputError, check_choices
 
 CHOICES = [m for m in MODES if m != "reduce-overhead"]
 
@@ -67,6 +67,10 @@ class CompileModel(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, mode):
+        return check_choices(mode=(mode, CHOICES)) or True
+
+    @classmethod
     def execute(cls, pipe, mode, dynamic, warmup, warmup_size) -> io.NodeOutput:
         from ..qwen_edit.compile import compiled_forward_context, inductor_cache_counters, warmup_inputs
 
@@ -97,4 +101,5 @@ class CompileModel(io.ComfyNode):
                 f"cache: {hits} hit(s), {misses} miss(es) ({'cached' if hits and not misses else 'first'}"
                 " compile)"
             )
-        return io.NodeOutput(plan, "\n".join(lines))
+        info = "\n".join(lines)
+        return io.NodeOutput(plan, info, ui=ui.PreviewText(info))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..qwen_edit.plan import LoraChoice, PipePlan
 from .common import CATEGORY, PIPE, NodeInputError, check_model_file_choice, model_choices, model_file_path
@@ -74,4 +74,5 @@ class FuseLoRA(io.ComfyNode):
             if steps
             else "not a Lightning LoRA"
         )
-        return io.NodeOutput(pipe.with_lora(choice), "\n".join(lines))
+        info = "\n".join(lines)
+        return io.NodeOutput(pipe.with_lora(choice), info, ui=ui.PreviewText(info))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..qwen_edit.plan import PipePlan, Variant
 from .common import (
@@ -10,6 +10,7 @@ from .common import (
     NO_FOLDER,
     PIPE,
     NodeInputError,
+    check_choices,
     check_model_file_choice,
     diffusers_folder_path,
     diffusers_folders,
@@ -60,7 +61,10 @@ class LoadQwenEdit(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, diffusion_model, text_encoder, vae, diffusers_folder):
+    def validate_inputs(cls, diffusion_model, text_encoder, vae, diffusers_folder, variant, attention):
+        problem = check_choices(variant=(variant, VARIANT_CHOICES), attention=(attention, ATTENTION_CHOICES))
+        if problem:
+            return problem
         try:
             if diffusers_folder != NO_FOLDER:
                 diffusers_folder_path(diffusers_folder)
@@ -94,4 +98,5 @@ class LoadQwenEdit(io.ComfyNode):
         else:
             chosen, reason = Variant(variant), "chosen by the user"
         plan = PipePlan(files=files, variant=chosen, variant_reason=reason, attention=attention)
-        return io.NodeOutput(plan, f"layout: {files.layout}\n{plan.describe()}")
+        info = f"layout: {files.layout}\n{plan.describe()}"
+        return io.NodeOutput(plan, info, ui=ui.PreviewText(info))

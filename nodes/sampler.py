@@ -14,7 +14,7 @@ from PIL import Image
 from ..qwen_edit.plan import PipePlan
 from ..qwen_edit.sampling import EditRequest, default_output_size
 from .comfy_memory import runtime
-from .common import CATEGORY, PIPE, NodeInputError
+from .common import CATEGORY, PIPE, NodeInputError, check_choices
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,10 @@ class QwenEditSampler(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, steps, cfg):
+    def validate_inputs(cls, steps, cfg, scheduler):
+        problem = check_choices(scheduler=(scheduler, SCHEDULER_CHOICES))
+        if problem:
+            return problem
         if steps < 1:
             return f"steps must be at least 1 (got {steps}): use 40 for Qwen-Image-Edit, 4 or 8 with Lightning"
         if cfg != 0 and cfg < 1:
@@ -157,6 +160,12 @@ class QwenEditSampler(io.ComfyNode):
                  f"prompt encoding: {timings.encode_s:.2f} s{' (cached)' if timings.encode_cached else ''}",
                  f"denoising: {timings.denoise_s:.2f} s ({timings.denoise_s / steps:.3f} s/step)",
                  f"VAE decode: {timings.decode_s:.2f} s", f"total: {timings.total_s:.2f} s"]
+        if pipe.compile is not None:
+            step_s = timings.extra["step_s"]
+            lines.append(f"compiled: first step {step_s[0]:.2f} s (includes any compile), graphs compiled this run: "
+                         f"{timings.extra['graphs_compiled']}")
+        if "calibration" in timings.extra:
+            lines.append(timings.extra["calibration"])
         info = "\n".join(lines)
         logger.info("Qwen Edit Sampler:\n%s", info)
         return io.NodeOutput(result, info, ui=ui.PreviewText(info))

@@ -90,6 +90,13 @@ def warmup_inputs(module: torch.nn.Module, width: int, height: int, text_tokens:
     }
 
 
+def compiled_graph_count() -> int:
+    """Graphs dynamo has compiled in this process so far (a difference of two reads counts recompiles)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def inductor_cache_counters() -> dict[str, int]:
     """Hits and misses of Inductor's FX graph cache so far in this process."""
     from torch._dynamo.utils import counters

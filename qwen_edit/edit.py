@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from .compile import compiled_forward_context
+from .compile import compiled_forward_context, compiled_graph_count
 from .memory import Resident
 from .plan import PipePlan
 from .runtime import PlanRuntime
@@ -83,6 +83,7 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest,
         last[0] = now
         callbacks.on_step(done, total, latents)
 
+    graphs_before = compiled_graph_count()
     started = last[0] = time.perf_counter()
     with compiled_forward_context(plan.compile):
         latents = sampler.denoise(request, conditioning, dit=dit.module, variant=plan.variant, device=device,
@@ -91,6 +92,7 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest,
     _sync(device)
     timings.denoise_s = time.perf_counter() - started
     timings.extra["step_s"] = step_times
+    timings.extra["graphs_compiled"] = compiled_graph_count() - graphs_before
 
     callbacks.check_interrupt()
     vae = runtime.vae(plan)

@@ -49,3 +49,35 @@ def build_fp8_dit(base_module: torch.nn.Module, fp8_config: Any) -> torch.nn.Mod
     variant.fp8_report = report
     logger.info("FP8 variant: %s", report.counts)
     return variant
+
+
+@torch.no_grad()
+def requantize_in_place(variant: torch.nn.Module, base_module: torch.nn.Module, names: set[str]) -> bool:
+    """Copy the base's current values of ``names`` into the variant, quantizing where the variant is FP8.
+
+    Returns False (and changes nothing) when a touched layer cannot be re-quantized in place
+    (Transformer Engine keeps its fp8 weights in its own format).
+    """
+    from ..fp8 import quantize_rowwise, quantize_tensorwise
+    from ..fp8.linear import Fp8Linear, ScaledMMLinear
+
+    base_params = dict(base_module.named_parameters())
+    plan = []
+    for name in sorted(names):
+        owner_name, _, attr = name.rpartition(".")
+        owner = variant.get_submodule(owner_name) if owner_name else variant
+        if isinstance(owner, Fp8Linear):
+            plan.append((owner, attr, base_params[name]))
+        elif type(owner).__name__ == "TeLinear":
+            return False
+        else:
+            plan.append((owner, attr, base_params[name]))
+    for owner, attr, source in plan:
+        if isinstance(owner, Fp8Linear) and attr == "weight":
+            tensorwise = isinstance(owner, ScaledMMLinear) and owner.granularity == "tensorwise"
+            weight, scale = quantize_tensorwise(source) if tensorwise else quantize_rowwise(source)
+            owner.weight.copy_(weight)
+            owner.weight_scale.copy_(scale.reshape(owner.weight_scale.shape))
+        else:
+            getattr(owner, attr).copy_(source)
+    return True

@@ -160,8 +160,19 @@ class PlanRuntime:
                               bf16_bytes_estimate(files.dit))
 
     def dit(self, plan: PipePlan) -> Resident:
-        """The DiT as the plan wants it: LoRAs fused, then FP8, then compiled (regional)."""
-        from .variants_dit import apply_compile, ensure_loras, fp8_variant_key, make_fp8_variant
+        """The DiT as the plan wants it: LoRAs fused, then FP8, then compiled (regional).
+
+        The bf16 base and each FP8 variant (one per recipe) are updated in place when the LoRA chain
+        changes, so their parameters stay the same tensors and compiled graphs never recompile for it.
+        """
+        from .variants_dit import (
+            apply_compile,
+            chain_key,
+            ensure_loras,
+            fp8_variant_key,
+            make_fp8_variant,
+            sync_fp8_loras,
+        )
 
         with self._lock:
             base = self.base_dit(plan)
@@ -170,13 +181,20 @@ class PlanRuntime:
                 ensure_loras(base, active_loras)
                 target = base
             else:
-                key = fp8_variant_key(base.key, active_loras, plan.fp8)
+                key = fp8_variant_key(base.key, plan.fp8)
                 target = self._residents.get(key)
+                if target is not None and not sync_fp8_loras(target, base, active_loras):
+                    logger.info("rebuilding %s for the new LoRA chain (its layers cannot be re-quantized in place)",
+                                target.label)
+                    self.hooks.forget(target)
+                    self.evict(key)
+                    target = None
                 if target is None:
                     ensure_loras(base, active_loras)
-                    target = self._resident(key, f"DiT {plan.short_label()}",
+                    target = self._resident(key, f"DiT fp8 {plan.fp8.describe()}",
                                             lambda: make_fp8_variant(base.module, plan.fp8), base.nbytes // 2)
                     target.extra["fp8_report"] = getattr(target.module, "fp8_report", None)
+                    target.extra["lora_chain"] = chain_key(active_loras)
             apply_compile(target, plan.compile)
             return target
 

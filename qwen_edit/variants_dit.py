@@ -59,16 +59,20 @@ def restore_base(base: Resident) -> None:
 
 
 @torch.no_grad()
-def ensure_loras(base: Resident, loras: tuple[LoraChoice, ...]) -> None:
-    """Make the base DiT hold exactly ``W + sum strength * scale * B @ A`` for this chain (or plain W)."""
+def ensure_loras(base: Resident, loras: tuple[LoraChoice, ...]) -> set[str]:
+    """Make the base DiT hold exactly ``W + sum strength * scale * B @ A`` for this chain (or plain W).
+
+    Returns the names of the weights whose values changed (touched by the old or the new chain).
+    """
     from .lora import fused_state
 
     wanted = _chain_key(loras)
     if base.extra.get("lora_chain", ()) == wanted:
-        return
+        return set()
+    changed = set(base.extra.get("lora_originals", {}))
     restore_base(base)
     if not loras:
-        return
+        return changed
     parsed = [(parse_lora_for(base, lora), lora.strength) for lora in loras]
     params = dict(base.module.named_parameters())
     touched = sorted({target for lora, _ in parsed for target in lora.targets})
@@ -83,6 +87,7 @@ def ensure_loras(base: Resident, loras: tuple[LoraChoice, ...]) -> None:
         del fused
     base.extra["lora_chain"] = wanted
     logger.info("fused %d LoRA(s) into %d weights", len(loras), len(originals))
+    return changed | set(originals)
 
 
 def _groups(names: list[str]) -> list[list[str]]:
@@ -95,8 +100,32 @@ def _groups(names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def fp8_variant_key(base_key: tuple, loras: tuple[LoraChoice, ...], fp8_config: Any) -> tuple:
-    return ("dit_fp8", base_key, _chain_key(loras), fp8_config)
+def fp8_variant_key(base_key: tuple, fp8_config: Any) -> tuple:
+    """FP8 variants are keyed by base and recipe; their LoRA state is updated in place (see ``sync_fp8_loras``)."""
+    return ("dit_fp8", base_key, fp8_config)
+
+
+def chain_key(loras: tuple[LoraChoice, ...]) -> tuple:
+    return _chain_key(loras)
+
+
+@torch.no_grad()
+def sync_fp8_loras(variant: Resident, base: Resident, loras: tuple[LoraChoice, ...]) -> bool:
+    """Bring an FP8 variant to this LoRA chain by re-quantizing the changed weights in place.
+
+    Same tensors, new values: a compiled graph over the variant does not recompile. Returns False when
+    the variant cannot be updated in place (Transformer Engine layers): the caller rebuilds it.
+    """
+    from .fp8_dit import requantize_in_place
+
+    wanted = _chain_key(loras)
+    if variant.extra.get("lora_chain", ()) == wanted:
+        return True
+    changed = ensure_loras(base, loras)
+    if not requantize_in_place(variant.module, base.module, changed):
+        return False
+    variant.extra["lora_chain"] = wanted
+    return True
 
 
 def apply_compile(resident: Resident, choice: CompileChoice | None) -> None:

@@ -35,10 +35,29 @@ MASK_BACKENDS: dict[str, SDPBackend | None] = {
 """Attention backends that take a key mask (``text_padding="mask"``): SDPA, PyTorch's choice or forced."""
 
 
+def rope_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DiffSynth's ``apply_rotary_emb_qwen`` with real ops (Inductor fuses them; it cannot codegen complex).
+
+    x: (B, S, H, Dh), channel pairs (2i, 2i+1) rotated by angle i; cos, sin: (S, Dh // 2) float32.
+    Returns (B, S, H, Dh) in x.dtype, computed in float32.
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))
+    re, im = pairs[..., 0], pairs[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack((re * c - im * s, re * s + im * c), dim=-1).flatten(-2).to(x.dtype)
+
+
+def rope_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The same rotation as one complex multiply, DiffSynth's way (fewer kernels in eager mode)."""
+    freqs = torch.complex(cos, sin)[:, None, :]
+    rotated = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous()) * freqs
+    return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
+
+
 def qk_norm_rope(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
-    """DiffSynth's ``RMSNorm`` over the head dim, then its ``apply_rotary_emb_qwen``, as real ops in one pass.
+    """DiffSynth's ``RMSNorm`` over the head dim, then its ``apply_rotary_emb_qwen``.
 
     Args:
         x: (B, S, H, Dh) q or k, any strides (e.g. a view into a fused QKV output), bf16 or fp32.
@@ -48,17 +67,17 @@ def qk_norm_rope(
 
     Returns:
         (B, S, H, Dh) contiguous in ``x.dtype``. Rounding points are DiffSynth's: the normalized value is
-        cast to ``x.dtype`` before the weight multiply, the rotation runs in float32 and is cast back.
+        rounded to ``x.dtype`` before the weight multiply, the rotation runs in float32 and is rounded back.
+        Under ``torch.compile`` the rotation is real arithmetic (:func:`rope_real`) and the whole function
+        becomes one kernel per q / k; in eager mode it is ``F.rms_norm`` (one kernel on CUDA) and one
+        complex multiply (:func:`rope_complex`).
     """
-    dtype = x.dtype
-    xf = x.float()
-    y = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(dtype)
+    y = F.rms_norm(x, (x.shape[-1],), eps=eps)
     if weight is not None:
         y = y * weight
-    pairs = y.float().unflatten(-1, (-1, 2))
-    re, im = pairs[..., 0], pairs[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.stack((re * c - im * s, re * s + im * c), dim=-1).flatten(-2).to(dtype)
+    if torch.compiler.is_compiling():
+        return rope_real(y, cos, sin)
+    return rope_complex(y, cos, sin)
 
 
 def _mod_params(mod: torch.Tensor, dim: int, selector: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
