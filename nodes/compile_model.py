@@ -80,7 +80,8 @@ class CompileModel(io.ComfyNode):
         plan = pipe.with_compile(choice)
         lines = [f"compile: mode {mode}, dynamic {dynamic}, regional (one compiled block for all blocks)"]
         if warmup:
-            from diffsynth.pipelines.qwen_image import model_fn_qwen_image
+            from ..qwen_edit.edit import attention_backend
+            from ..qwen_edit.fast_forward import fast_model_fn
 
             rt = runtime()
             dit = rt.dit(plan)
@@ -90,7 +91,7 @@ class CompileModel(io.ComfyNode):
             before = inductor_cache_counters()
             started = time.perf_counter()
             with compiled_forward_context(choice):
-                model_fn_qwen_image(dit=dit.module, **inputs)
+                fast_model_fn(dit=dit.module, attention_backend=attention_backend(plan), **inputs)
             mm.soft_empty_cache()
             elapsed = time.perf_counter() - started
             after = inductor_cache_counters()

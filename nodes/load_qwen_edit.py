@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import comfy.model_management as mm
 from comfy_api.latest import io, ui
 
 from ..qwen_edit.plan import PipePlan, Variant
@@ -20,7 +21,7 @@ from .common import (
 
 VARIANT_CHOICES = ["auto", *(v.value for v in Variant)]
 VARIANT_BY_NAME = {"edit": Variant.EDIT, "edit_2509": Variant.EDIT_2509, "edit_2511": Variant.EDIT_2511}
-ATTENTION_CHOICES = ["auto"]
+ATTENTION_CHOICES = ["auto", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn", "triton_fp8"]
 
 
 class LoadQwenEdit(io.ComfyNode):
@@ -50,8 +51,10 @@ class LoadQwenEdit(io.ComfyNode):
                                tooltip="auto detects Edit / Edit-2509 / Edit-2511 from the files (model_index.json, "
                                "config, file name) and says why; pick one when detection cannot tell."),
                 io.Combo.Input("attention", options=ATTENTION_CHOICES, default="auto",
-                               tooltip="Attention backend used by the DiT; auto = PyTorch SDPA (cuDNN flash "
-                               "attention on Hopper). Reported in every benchmark."),
+                               tooltip="Attention backend of the DiT, reported in every benchmark. auto: PyTorch "
+                               "SDPA's own pick (cuDNN on Hopper); sdpa_*: force one SDPA kernel; flash_attn: the "
+                               "flash-attn package (FA3/FA2) when installed; triton_fp8: this pack's 8-bit "
+                               "(int8 QK^T) Triton kernel, Hopper only."),
             ],
             outputs=[
                 PIPE.Output("pipe", tooltip="Qwen-Image-Edit pipe plan for Fuse LoRA, Apply TE-FP8, Compile Model, "
@@ -62,9 +65,15 @@ class LoadQwenEdit(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, diffusion_model, text_encoder, vae, diffusers_folder, variant, attention):
+        from ..fp8.attention import check_backend
+
         problem = check_choices(variant=(variant, VARIANT_CHOICES), attention=(attention, ATTENTION_CHOICES))
         if problem:
             return problem
+        if attention != "auto":
+            ok, reason = check_backend(attention, mm.get_torch_device())
+            if not ok:
+                return f"attention {attention} cannot run here: {reason}"
         try:
             if diffusers_folder != NO_FOLDER:
                 diffusers_folder_path(diffusers_folder)

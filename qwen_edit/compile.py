@@ -1,12 +1,12 @@
 """Regional compilation of the DiT's transformer blocks.
 
-One ``torch.compile`` of the block's call serves all 60 blocks (parameters
-are graph inputs, not constants), so compile time is one block's, and
-changing weights in place (a LoRA, its strength) never recompiles. Compiled
-callables are kept per compile setting on the resident, so switching a
-module between eager and compiled (the Benchmark does) costs nothing after
-the first time. PyTorch's own caches (Inductor's FX graph cache and
-AOTAutograd cache, on by default) make a restart's first compile fast.
+One ``torch.compile`` of the fast forward's block function serves all 60
+blocks (parameters are graph inputs, not constants), so compile time is one
+block's, and changing weights in place (a LoRA, its strength) never
+recompiles. Switching a module between eager and compiled (the Benchmark
+does) costs nothing after the first time: compiled graphs live in dynamo's
+cache. PyTorch's own caches (Inductor's FX graph cache and AOTAutograd
+cache, on by default) make a restart's first compile fast.
 """
 
 from __future__ import annotations
@@ -44,25 +44,19 @@ def dynamo_settings() -> Iterator[None]:
             setattr(config, name, value)
 
 
-def blocks_of(module: torch.nn.Module) -> list[torch.nn.Module]:
-    return list(module.transformer_blocks)
-
-
 def set_regional_compile(resident: Resident, choice: CompileChoice | None) -> None:
-    """Point every transformer block at its compiled callable for ``choice``, or back to eager when None."""
-    blocks = blocks_of(resident.module)
+    """Run the module's blocks through one compiled block function for ``choice``, or eagerly when None.
+
+    ``dynamic`` True marks the sequence dims dynamic (a new resolution or prompt length reuses the
+    graph; batch 1 and batch 2 are two graphs); False specializes on every shape.
+    """
+    from .fast_forward import compile_blocks, uncompile_blocks
+
     if choice is None:
-        for block in blocks:
-            block._compiled_call_impl = None
+        uncompile_blocks(resident.module)
         return
-    compiled: dict[CompileChoice, list] = resident.extra.setdefault("compiled", {})
-    if choice not in compiled:
-        options = {"mode": None if choice.mode == "default" else choice.mode, "dynamic": choice.dynamic}
-        compiled[choice] = [torch.compile(block._call_impl, **options) for block in blocks]
-        logger.info("compiling %d transformer blocks (%s, dynamic=%s) on first use", len(blocks), choice.mode,
-                    choice.dynamic)
-    for block, call in zip(blocks, compiled[choice], strict=True):
-        block._compiled_call_impl = call
+    mode = None if choice.mode == "default" else choice.mode
+    compile_blocks(resident.module, mode=mode, dynamic=None if choice.dynamic else False)
 
 
 def compiled_forward_context(choice: CompileChoice | None):

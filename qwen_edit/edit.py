@@ -25,9 +25,8 @@ def needs_calibration(plan: PipePlan, dit: Resident) -> bool:
 def calibrate(plan: PipePlan, dit: Resident, request: EditRequest, conditioning: Conditioning,
               runtime: PlanRuntime) -> str:
     """Fill DelayedScaling amax histories with real activations: the first two steps' forwards."""
-    from diffsynth.pipelines.qwen_image import model_fn_qwen_image
-
     from ..fp8 import calibrate_delayed_scaling
+    from .fast_forward import fast_model_fn
 
     scheduler = make_scheduler(request.scheduler, request.steps, request.width, request.height)
     generator = torch.Generator("cpu").manual_seed(request.seed)
@@ -36,16 +35,22 @@ def calibrate(plan: PipePlan, dit: Resident, request: EditRequest, conditioning:
     forwards = []
     for timestep in scheduler.timesteps[:2]:
         t = timestep.unsqueeze(0).to(dtype=runtime.dtype, device=runtime.device)
-        forwards.append(lambda t=t: model_fn_qwen_image(
+        forwards.append(lambda t=t: fast_model_fn(
             dit=dit.module, latents=latents, timestep=t, height=request.height, width=request.width,
-            edit_latents=conditioning.edit_latents, zero_cond_t=plan.variant.zero_cond_t, **conditioning.positive))
+            edit_latents=conditioning.edit_latents, zero_cond_t=plan.variant.zero_cond_t,
+            attention_backend=attention_backend(plan), **conditioning.positive))
     report = calibrate_delayed_scaling(dit.module, forwards)
     dit.extra["calibrated"] = True
     return str(report)
 
 
-def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest,
-             callbacks: Callbacks | None = None, sampler: EditSampler | None = None) -> tuple[torch.Tensor, Timings]:
+def attention_backend(plan: PipePlan) -> str:
+    """The plan's attention backend name for ``fp8.attention`` ("auto" is PyTorch SDPA's own choice)."""
+    return "sdpa" if plan.attention == "auto" else plan.attention
+
+
+def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbacks: Callbacks | None = None,
+             sampler: EditSampler | None = None, batched_cfg: bool = True) -> tuple[torch.Tensor, Timings]:
     """Encode (cached), denoise and decode one edit. Returns (IMAGE (1, H, W, 3) in [0, 1], timings).
 
     ``timings.extra["step_s"]`` holds seconds per denoising step (the first includes any compile).
@@ -88,7 +93,8 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest,
     with compiled_forward_context(plan.compile):
         latents = sampler.denoise(request, conditioning, dit=dit.module, variant=plan.variant, device=device,
                                   dtype=dtype, callbacks=Callbacks(on_step=on_step,
-                                                                   check_interrupt=callbacks.check_interrupt))
+                                                                   check_interrupt=callbacks.check_interrupt),
+                                  attention=attention_backend(plan), batched_cfg=batched_cfg)
     _sync(device)
     timings.denoise_s = time.perf_counter() - started
     timings.extra["step_s"] = step_times

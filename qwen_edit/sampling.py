@@ -221,12 +221,20 @@ class EditSampler:
         return conditioning, False
 
     def denoise(self, request: EditRequest, conditioning: Conditioning, *, dit, variant: Variant,
-                device: torch.device, dtype: torch.dtype, callbacks: Callbacks,
-                model_fn: Callable | None = None) -> torch.Tensor:
-        """The denoising loop; returns latents (1, 16, H/8, W/8). Interrupt is checked before each step."""
-        from diffsynth.pipelines.qwen_image import model_fn_qwen_image
+                device: torch.device, dtype: torch.dtype, callbacks: Callbacks, attention: str = "sdpa",
+                batched_cfg: bool = True, model_fn: Callable | None = None) -> torch.Tensor:
+        """The denoising loop; returns latents (1, 16, H/8, W/8). Interrupt is checked before each step.
 
-        model_fn = model_fn or model_fn_qwen_image
+        True CFG runs the positive and negative prompts as one batch-2 forward (``batched_cfg``; the
+        text is right-padded and kept out of attention), or as two batch-1 forwards like DiffSynth.
+        ``model_fn`` defaults to ``fast_forward.fast_model_fn`` (same function as DiffSynth's
+        ``model_fn_qwen_image``; tests hold them equal) with the ``attention`` backend.
+        """
+        from .fast_forward import batch_prompts, fast_model_fn
+
+        if model_fn is None:
+            def model_fn(**kwargs):
+                return fast_model_fn(attention_backend=attention, **kwargs)
         scheduler = make_scheduler(request.scheduler, request.steps, request.width, request.height)
         generator = torch.Generator("cpu").manual_seed(request.seed)
         latents = torch.randn((1, 16, request.height // 8, request.width // 8), generator=generator,
@@ -234,13 +242,21 @@ class EditSampler:
         shared = {"height": request.height, "width": request.width, "edit_latents": conditioning.edit_latents,
                   "zero_cond_t": variant.zero_cond_t}
         total = len(scheduler.timesteps)
+        batched = batched_cfg and conditioning.negative is not None
+        if batched:
+            both = batch_prompts([conditioning.positive, conditioning.negative])
         for index, timestep in enumerate(scheduler.timesteps):
             callbacks.check_interrupt()
             t = timestep.unsqueeze(0).to(dtype=dtype, device=device)
-            prediction = model_fn(dit=dit, latents=latents, timestep=t, **conditioning.positive, **shared)
-            if conditioning.negative is not None:
-                negative = model_fn(dit=dit, latents=latents, timestep=t, **conditioning.negative, **shared)
+            if batched:
+                pair = model_fn(dit=dit, latents=latents.expand(2, -1, -1, -1), timestep=t, **both, **shared)
+                prediction, negative = pair[0:1], pair[1:2]
                 prediction = negative + request.cfg * (prediction - negative)
+            else:
+                prediction = model_fn(dit=dit, latents=latents, timestep=t, **conditioning.positive, **shared)
+                if conditioning.negative is not None:
+                    negative = model_fn(dit=dit, latents=latents, timestep=t, **conditioning.negative, **shared)
+                    prediction = negative + request.cfg * (prediction - negative)
             latents = scheduler.step(prediction, timestep, latents)
             callbacks.on_step(index + 1, total, latents)
         return latents

@@ -57,7 +57,9 @@ def install_tiny_models(models_dir: Path) -> dict[str, Path]:
     for index, name in enumerate(LIGHTNING_LORAS):
         write_tiny_lora(loras / name, "lightning", shapes, rank=4, alpha=4.0, seed=100 + index, std=0.02)
     for index, fmt in enumerate(FORMAT_LORAS):
+        # LoHa/LoKr deltas are products of two factor products: larger factors give a visible effect
+        std = 0.3 if fmt in ("loha", "lokr") else 0.05
         write_tiny_lora(loras / f"tiny_{fmt}.safetensors", fmt, shapes, rank=4, alpha=2.0, seed=200 + index,
-                        std=0.02)
+                        std=std)
     return {"dit": single["dit"][0], "text_encoder": single["text_encoder"][0], "vae": single["vae"][0],
             "loras": loras, "diffusers": models_dir / "qwen_edit" / DIFFUSERS_FOLDER}

@@ -1,0 +1,153 @@
+"""The fast DiT forward on a real GPU, at full width (dim 3072, 24 heads x 128, text dim 3584), 2 blocks.
+
+Run on the device machine::
+
+    .testenv/bin/python -m pytest tests/gpu/test_fast_forward_gpu.py -m gpu -q -rs
+    # -m "gpu and not slow" skips the Inductor compiles (about a minute each)
+
+Inputs: a 512x512 edit with one 512x512 reference (2 x 1024 image tokens) and prompts of 300 / 287
+text tokens; weights random as in anchor_probe.py (bench/fast_forward_check.py ``randomize``).
+Timing and the 60-block model are bench/fast_forward_check.py's job.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from qwen_edit_hopper.fp8 import Fp8Config, quantize_linears
+from qwen_edit_hopper.fp8.attention import check_backend
+from qwen_edit_hopper.qwen_edit.checkpoints.dit import DiTConfig
+from qwen_edit_hopper.qwen_edit.fast_forward import (
+    batch_prompts,
+    compile_blocks,
+    fast_model_fn,
+    fuse_qkv,
+    uncompile_blocks,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from fast_forward_check import build_random_dit, fused_preset, make_inputs, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+WIDE = DiTConfig(dim=3072, num_layers=2, num_heads=24, head_dim=128, text_dim=3584)
+BF16_TOL = 2e-2
+FP8_TOL = 5e-2  # one fp8 GEMM alone is ~3.7e-2 on Gaussian data (anchors.md)
+
+
+def _need(backend: str) -> None:
+    ok, reason = check_backend(backend, "cuda", head_dim=WIDE.head_dim, dtype=torch.bfloat16)
+    if not ok:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def dit():
+    return build_random_dit(WIDE)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    x = make_inputs(WIDE, size=512)
+    prompts = x.pop("prompts")
+    return x, prompts
+
+
+def _diffsynth(dit, x, prompt, **kw):
+    from diffsynth.pipelines.qwen_image import model_fn_qwen_image
+
+    with torch.no_grad():
+        return model_fn_qwen_image(dit=dit, **x, **prompt, **kw)
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_cudnn", "sdpa_flash"])
+def test_matches_diffsynth(dit, inputs, backend, zero_cond_t):
+    _need(backend)
+    x, prompts = inputs
+    ref = _diffsynth(dit, x, prompts[0], zero_cond_t=zero_cond_t)
+    out = fast_model_fn(dit, **x, **prompts[0], zero_cond_t=zero_cond_t, attention_backend=backend)
+    assert rel_err(out, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize(("backend", "text_padding"),
+                         [("sdpa", "split"), ("sdpa", "mask"), ("sdpa_cudnn", "split"), ("triton_fp8", "split")])
+def test_batch2_matches_two_batch1_calls(dit, inputs, backend, text_padding):
+    _need(backend)
+    x, prompts = inputs
+    two = {**x, **batch_prompts(prompts), "latents": x["latents"].expand(2, -1, -1, -1)}
+    out = fast_model_fn(dit, **two, attention_backend=backend, text_padding=text_padding)
+    for i, prompt in enumerate(prompts):
+        one = fast_model_fn(dit, **x, **prompt, attention_backend=backend)
+        assert rel_err(out[i : i + 1], one) < 1e-2, (i, rel_err(out[i : i + 1], one))
+    # ... and the batch-1 forwards equal DiffSynth's (sdpa: same math; triton_fp8: 8-bit QK^T error).
+    ref = _diffsynth(dit, x, prompts[1])
+    assert rel_err(out[1:], ref) < (BF16_TOL if backend != "triton_fp8" else FP8_TOL)
+
+
+def test_no_host_sync_in_a_warm_forward(dit, inputs):
+    """After the first call per shape (RoPE tables, text lengths), a forward never waits for the GPU."""
+    x, prompts = inputs
+    text = batch_prompts(prompts)
+    two = {**x, **text, "latents": x["latents"].expand(2, -1, -1, -1)}
+    fast_model_fn(dit, **x, **prompts[0], zero_cond_t=True)
+    fast_model_fn(dit, **two)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fast_model_fn(dit, **x, **prompts[0], zero_cond_t=True)
+        fast_model_fn(dit, **two)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.slow
+def test_compiled_matches_eager_and_reuses_the_graph(dit, inputs):
+    from torch._dynamo.utils import counters
+
+    x, prompts = inputs
+    eager = fast_model_fn(dit, **x, **prompts[0])
+    torch._dynamo.reset()
+    compile_blocks(dit)
+    try:
+        compiled = fast_model_fn(dit, **x, **prompts[0])
+        graphs = counters["stats"]["unique_graphs"]
+        other = make_inputs(WIDE, size=384, text_tokens=(211,), seed=3)
+        other_prompt = other.pop("prompts")[0]
+        fast_model_fn(dit, **other, **other_prompt)  # another resolution and text length
+        assert counters["stats"]["unique_graphs"] == graphs, "a new shape recompiled the block"
+    finally:
+        uncompile_blocks(dit)
+        torch._dynamo.reset()
+    assert rel_err(compiled, eager) < BF16_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sdpa", "triton_fp8"])
+def test_fused_fp8_compiled(dit, inputs, backend):
+    _need(backend)
+    x, prompts = inputs
+    ref = _diffsynth(dit, x, prompts[0])
+    model = copy.deepcopy(dit)
+    fuse_qkv(model)
+    report = quantize_linears(model, Fp8Config(backend="scaled_mm_rowwise", preset=fused_preset()))
+    converted = {d.name for d in report.converted}
+    assert "transformer_blocks.0.attn.to_qkv" in converted and "transformer_blocks.0.attn.add_qkv_proj" in converted
+    torch._dynamo.reset()
+    compile_blocks(model)
+    try:
+        out = fast_model_fn(model, **x, **prompts[0], attention_backend=backend)
+        two = {**x, **batch_prompts(prompts), "latents": x["latents"].expand(2, -1, -1, -1)}
+        both = fast_model_fn(model, **two, attention_backend=backend)
+    finally:
+        torch._dynamo.reset()
+    tol = FP8_TOL if backend == "sdpa" else FP8_TOL + 1e-2
+    assert rel_err(out, ref) < tol
+    assert rel_err(both[:1], out) < 1e-2

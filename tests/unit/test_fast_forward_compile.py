@@ -1,0 +1,134 @@
+"""The fast forward under torch.compile on CPU: no graph breaks in a block, one graph for all blocks, no recompiles.
+
+Graph breaks are checked with ``torch._dynamo.explain`` (no code generation). Recompiles are counted
+with a backend that counts the graphs dynamo hands it; one Inductor compile (CPU C++) checks that the
+compiled forward computes what eager computes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from qwen_edit_hopper.fp8 import Fp8Config, LayerPreset, quantize_linears
+from qwen_edit_hopper.fp8.presets import QWEN_ATTN, QWEN_KEEP, QWEN_MLP, QWEN_MOD
+from qwen_edit_hopper.qwen_edit import fast_forward
+from qwen_edit_hopper.qwen_edit.fast.block import fast_block
+from qwen_edit_hopper.qwen_edit.fast_forward import (
+    FUSED_QKV_PATTERN,
+    batch_prompts,
+    compile_blocks,
+    fast_model_fn,
+    fuse_qkv,
+    uncompile_blocks,
+)
+from test_fast_forward import BF16_TOL, build_dit, make_inputs, reference, rel
+
+
+class CountingBackend:
+    """A torch.compile backend that runs graphs eagerly and counts them."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return gm.forward
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _batch2(x: dict, other_tokens: int = 6) -> dict:
+    """x as batch 2: the same latents with x's prompt and a shorter one (right-padded)."""
+    other = make_inputs(x["latents"].dtype, text_tokens=other_tokens, seed=11)
+    return {**x, **batch_prompts([x, other]), "latents": x["latents"].expand(2, -1, -1, -1)}
+
+
+def _block_calls(monkeypatch, dit, **inputs) -> list[tuple]:
+    """The argument tuples fast_model_fn passes to the block function, one per block."""
+    calls = []
+
+    def record(*args):
+        calls.append(args)
+        return fast_block(*args)
+
+    monkeypatch.setattr(fast_forward, "fast_block", record)
+    fast_model_fn(dit, **inputs)
+    return calls
+
+
+FP8_PRESET = LayerPreset("fused", "test", compute=(QWEN_ATTN, FUSED_QKV_PATTERN, QWEN_MLP), storage=(QWEN_MOD,),
+                         keep=QWEN_KEEP)
+CASES = [  # (fuse_qkv, fp8 config, batch 2, zero_cond_t, text_padding)
+    pytest.param(False, None, False, False, "split", id="bf16"),
+    pytest.param(True, None, False, True, "split", id="fused-zero_cond_t"),
+    pytest.param(True, None, True, False, "split", id="batch2-split"),
+    pytest.param(False, None, True, True, "mask", id="batch2-mask"),
+    pytest.param(True, Fp8Config(backend="scaled_mm_rowwise", emulate=True, preset=FP8_PRESET), True, False, "split",
+                 id="fp8-rowwise-emulated"),
+    pytest.param(False, Fp8Config(backend="weight_only"), False, False, "split", id="fp8-weight-only"),
+]
+
+
+@pytest.mark.parametrize(("fuse", "fp8", "batch2", "zero_cond_t", "text_padding"), CASES)
+def test_block_has_no_graph_breaks(monkeypatch, fuse, fp8, batch2, zero_cond_t, text_padding):
+    dit = build_dit(torch.bfloat16)
+    if fuse:
+        fuse_qkv(dit)
+    if fp8 is not None:
+        quantize_linears(dit, fp8)
+    x = make_inputs(torch.bfloat16)
+    x = _batch2(x) if batch2 else x
+    args = _block_calls(monkeypatch, dit, **x, zero_cond_t=zero_cond_t, text_padding=text_padding)[0]
+    explained = torch._dynamo.explain(fast_block)(*args)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def test_one_graph_for_all_blocks_and_no_recompile_for_new_shapes_or_weights():
+    dit = build_dit(torch.bfloat16, layers=4)
+    counter = CountingBackend()
+    compile_blocks(dit, backend=counter)
+    first = make_inputs(torch.bfloat16)
+    fast_model_fn(dit, **first)
+    assert counter.graphs == 1  # 4 blocks, one graph: parameters are inputs, not constants
+    # Another resolution, another reference size, another text length: same graph (sequence dims dynamic).
+    second = make_inputs(torch.bfloat16, latent=(8, 12), refs=((16, 8),), text_tokens=21, seed=5)
+    fast_model_fn(dit, **second)
+    assert counter.graphs == 1, counter.graphs
+    # Weights changed in place (a LoRA strength): no recompile, and the output follows the weights.
+    before = fast_model_fn(dit, **first)
+    with torch.no_grad():
+        dit.transformer_blocks[1].attn.to_v.weight.mul_(1.5)
+    after = fast_model_fn(dit, **first)
+    assert counter.graphs == 1
+    assert rel(after, before) > 1e-3
+    # Batch 2 with prompts of different lengths: one more graph (the batch size is static), then none for
+    # other lengths (they are tensor sizes marked dynamic, not ints), resolutions or numbers of references.
+    fast_model_fn(dit, **_batch2(first))
+    assert counter.graphs == 2, counter.graphs
+    fast_model_fn(dit, **_batch2(second, other_tokens=9))
+    third = make_inputs(torch.bfloat16, latent=(12, 12), refs=((12, 8), (8, 8)), text_tokens=15, seed=6)
+    fast_model_fn(dit, **_batch2(third, other_tokens=4))
+    assert counter.graphs == 2, counter.graphs
+
+
+def test_inductor_compiled_forward_matches_eager():
+    dit = build_dit(torch.bfloat16)
+    fuse_qkv(dit)
+    x = make_inputs(torch.bfloat16)
+    y = make_inputs(torch.bfloat16, latent=(8, 12), refs=((16, 8),), text_tokens=21, seed=5)
+    eager = [fast_model_fn(dit, **x, zero_cond_t=True), fast_model_fn(dit, **y, zero_cond_t=True)]
+    compile_blocks(dit)
+    try:
+        compiled = [fast_model_fn(dit, **x, zero_cond_t=True), fast_model_fn(dit, **y, zero_cond_t=True)]
+    finally:
+        uncompile_blocks(dit)
+    ref = reference(build_dit(torch.bfloat16), **x, zero_cond_t=True)
+    for c, e in zip(compiled, eager, strict=True):
+        assert rel(c, e) < BF16_TOL, rel(c, e)
+    assert rel(compiled[0], ref) < BF16_TOL
