@@ -241,6 +241,8 @@ VARIANT_SPECS: dict[str, dict[str, Any]] = {
     "fast/bf16-compiled": {"compile": True},
     "fast/fp8-rowwise-eager": {"backend": "scaled_mm_rowwise", "compile": False},
     "fast/fp8-rowwise-compiled": {"backend": "scaled_mm_rowwise", "compile": True},
+    "fast/fastest-compiled": {"backend": "scaled_mm_rowwise", "preset": "attn+mlp+mod compute",
+                              "fast_accum": True, "compile": True},
     "fast/fp8-tensorwise-compiled": {"backend": "scaled_mm_tensorwise", "compile": True},
     "fast/te-current-compiled": {"backend": "te", "recipe": "current", "compile": True},
     "fast/weight-only-eager": {"backend": "weight_only", "compile": False},
@@ -298,6 +300,10 @@ def plan_for(base_plan, variant: str, compile_choice=None):
         kwargs: dict[str, Any] = {"backend": spec["backend"]}
         if "recipe" in spec:
             kwargs["te_recipe"] = TeRecipeConfig(name=spec["recipe"])
+        if "preset" in spec:
+            kwargs["preset"] = spec["preset"]
+        if spec.get("fast_accum"):
+            kwargs["fast_accum"] = True
         if spec.get("qkv"):
             import harness_forward
 

@@ -129,6 +129,10 @@ class Fp8Config:
     emulate:
         Scaled-mm backends only: compute through the fp32 dequantize-and-matmul
         reference instead of ``torch._scaled_mm`` (any device; tests/numerics).
+    fast_accum:
+        Scaled-mm backends only: ``torch._scaled_mm(use_fast_accum=True)``, cuBLASLt's
+        fp8 fast accumulation on Hopper (what torchao's float8 uses by default): faster
+        GEMMs, accumulation promoted to fp32 less often.
     """
 
     backend: str = "scaled_mm_rowwise"
@@ -137,6 +141,7 @@ class Fp8Config:
     te_recipe: TeRecipeConfig = field(default_factory=TeRecipeConfig)
     force: bool = False
     emulate: bool = False
+    fast_accum: bool = False
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, BACKENDS)
@@ -149,6 +154,7 @@ class Fp8Config:
             raise TypeError(f"te_recipe must be a TeRecipeConfig, got {type(self.te_recipe).__name__}")
         _flag("force", self.force)
         _flag("emulate", self.emulate)
+        _flag("fast_accum", self.fast_accum)
         if self.emulate and self.backend not in SCALED_MM_BACKENDS:
             raise ValueError(
                 f"emulate=True is not allowed with backend={self.backend!r}; allowed backends: "
@@ -169,4 +175,6 @@ class Fp8Config:
         parts.append(f"storage layers {self.storage_layers}")
         if self.force:
             parts.append("force")
+        if self.fast_accum and self.backend in SCALED_MM_BACKENDS:
+            parts.append("fast accumulation")
         return ", ".join(parts)

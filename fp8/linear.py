@@ -142,7 +142,8 @@ class ScaledMMLinear(Fp8Linear):
        ``emulate=True`` runs anywhere, any of those dtypes, in fp32, slowly.
     """
 
-    def __init__(self, weight_fp8, weight_scale, bias, granularity: str, emulate: bool = False, layer_name: str = ""):
+    def __init__(self, weight_fp8, weight_scale, bias, granularity: str, emulate: bool = False, layer_name: str = "",
+                 fast_accum: bool = False):
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity={granularity!r} is not allowed; allowed values: {', '.join(GRANULARITIES)}")
         super().__init__(weight_fp8, weight_scale, bias, layer_name)
@@ -151,22 +152,25 @@ class ScaledMMLinear(Fp8Linear):
             raise ValueError(f"{layer_name or 'layer'}: {problem}")
         self.granularity = granularity
         self.emulate = bool(emulate)
+        self.fast_accum = bool(fast_accum)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, granularity: str = "rowwise", emulate: bool = False,
-                    layer_name: str = "") -> ScaledMMLinear:
+                    layer_name: str = "", fast_accum: bool = False) -> ScaledMMLinear:
         """Quantize ``linear.weight`` (per channel for rowwise, per tensor for tensorwise)."""
         w = linear.weight.detach()
         w8, ws = quantize_rowwise(w) if granularity == "rowwise" else quantize_tensorwise(w)
-        return cls(w8, ws, linear.bias, granularity, emulate, layer_name)
+        return cls(w8, ws, linear.bias, granularity, emulate, layer_name, fast_accum)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.granularity == "rowwise" and not self.emulate and x2d.dtype != torch.bfloat16:
             raise TypeError(f"{self.layer_name or 'ScaledMMLinear'}: row-wise torch._scaled_mm takes bf16 activations "
                             f"(its kernel writes bf16 only), got {x2d.dtype}")
         x8, xs = quantize_rowwise(x2d) if self.granularity == "rowwise" else quantize_tensorwise(x2d)
-        mm = reference_scaled_mm if self.emulate else scaled_mm
-        y = mm(x8, xs, self.weight, self.weight_scale, x2d.dtype)
+        if self.emulate:
+            y = reference_scaled_mm(x8, xs, self.weight, self.weight_scale, x2d.dtype)
+        else:
+            y = scaled_mm(x8, xs, self.weight, self.weight_scale, x2d.dtype, self.fast_accum)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -96,7 +96,8 @@ class LayerPreset:
 
 
 _BLOCK = r"transformer_blocks\.\d+"
-QWEN_ATTN = _BLOCK + r"\.attn\.(?:to_q|to_k|to_v|to_qkv|add_q_proj|add_k_proj|add_v_proj|add_qkv_proj|to_out\.0|to_add_out)"
+QWEN_ATTN = (_BLOCK + r"\.attn\.(?:to_q|to_k|to_v|to_qkv|add_q_proj|add_k_proj|add_v_proj|add_qkv_proj|to_out\.0"
+             r"|to_add_out)")
 QWEN_MLP = _BLOCK + r"\.(?:img_mlp|txt_mlp)\.net\.(?:0\.proj|2)"
 QWEN_MOD = _BLOCK + r"\.(?:img_mod|txt_mod)\.1"
 QWEN_ANY_BLOCK_LINEAR = _BLOCK + r"\..+"

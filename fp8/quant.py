@@ -88,8 +88,9 @@ def scaled_mm(
     w8: torch.Tensor,
     w_scale: torch.Tensor,
     out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    """``torch._scaled_mm`` with the conventions above.
+    """``torch._scaled_mm`` with the conventions above (``fast_accum``: cuBLASLt fp8 fast accumulation).
 
     x8: [M, K] fp8 row-major; w8: [N, K] fp8 row-major (passed transposed, i.e.
     column-major [K, N] as cuBLASLt wants); scales [M, 1] and [N, 1] (row-wise)
@@ -97,7 +98,8 @@ def scaled_mm(
     need a CUDA GPU (torch 2.11 on CPU accepts per-tensor scales only).
     """
     scale_b = w_scale.t() if w_scale.dim() == 2 else w_scale
-    return torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=scale_b, out_dtype=out_dtype)
+    return torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=scale_b, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
 def pad_rows(x2d: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -20,7 +20,8 @@ EMULATE_ENV = "QWEN_EDIT_FP8_EMULATE"
 cannot run: same quantization, no speed; the node's report says so. Never on by default."""
 
 
-def build_config(backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation):
+def build_config(backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation,
+                 fast_accum=True):
     """The fp8 package's frozen config from the node's widgets (ValueError names a bad field).
 
     Returns (config, note): with QWEN_EDIT_FP8_EMULATE=1 and a backend that cannot run here, the config
@@ -32,7 +33,8 @@ def build_config(backend, te_recipe, fp8_format, amax_history_len, amax_compute_
         name=te_recipe, fp8_format=fp8_format, amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo
     )
     storage = "fp8" if modulation == "fp8 storage" else "bf16"
-    config = Fp8Config(backend=backend, preset=layers, storage_layers=storage, te_recipe=recipe)
+    fast_accum = bool(fast_accum) and backend.startswith("scaled_mm")
+    config = Fp8Config(backend=backend, preset=layers, storage_layers=storage, te_recipe=recipe, fast_accum=fast_accum)
     if os.environ.get(EMULATE_ENV) != "1" or backend == "weight_only":
         return config, ""
     capability = check_backend(config, mm.get_torch_device())
@@ -43,7 +45,8 @@ def build_config(backend, te_recipe, fp8_format, amax_history_len, amax_compute_
         f"EMULATED: {backend} cannot run here ({capability.reason}); {EMULATE_ENV}=1 runs it as {emulated} "
         "in an fp32 reference path (same quantization, no speed)"
     )
-    return Fp8Config(backend=emulated, preset=layers, storage_layers=storage, emulate=True), note
+    return Fp8Config(backend=emulated, preset=layers, storage_layers=storage, emulate=True,
+                     fast_accum=fast_accum), note
 
 
 class ApplyFP8(io.ComfyNode):
@@ -110,6 +113,12 @@ class ApplyFP8(io.ComfyNode):
                     tooltip="Modulation linears (a third of the weights, applied to one timestep "
                     "vector): fp8 storage with per-channel scales and bf16 compute, or plain bf16.",
                 ),
+                io.Boolean.Input(
+                    "fast_accum",
+                    default=True,
+                    tooltip="scaled_mm backends: cuBLASLt fp8 fast accumulation (torchao's default). Measured on "
+                    "an H200: 4% faster per DiT forward, whole-forward error unchanged (1.36e-2).",
+                ),
             ],
             outputs=[
                 PIPE.Output(
@@ -120,7 +129,9 @@ class ApplyFP8(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation):
+    def validate_inputs(
+        cls, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation, fast_accum
+    ):
         from ..fp8 import check_backend, preset_names
 
         problem = check_choices(backend=(backend, BACKENDS), te_recipe=(te_recipe, TE_RECIPES),
@@ -131,7 +142,7 @@ class ApplyFP8(io.ComfyNode):
             return problem
         try:
             config, _ = build_config(
-                backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation
+                backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation, fast_accum
             )
         except (TypeError, ValueError) as error:
             return str(error)
@@ -142,7 +153,8 @@ class ApplyFP8(io.ComfyNode):
 
     @classmethod
     def execute(
-        cls, pipe, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation
+        cls, pipe, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation,
+        fast_accum=True,
     ) -> io.NodeOutput:
         from ..fp8 import plan_linears
         from ..qwen_edit.checkpoints.shapes import dit_on_meta
@@ -150,7 +162,7 @@ class ApplyFP8(io.ComfyNode):
         if not isinstance(pipe, PipePlan):
             raise NodeInputError("pipe: expected the output of Load Qwen Edit")
         config, note = build_config(
-            backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation
+            backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation, fast_accum
         )
         decisions = plan_linears(dit_on_meta(pipe.files), config)
         lines = [f"FP8: {config.describe()}", *([note] if note else [])]

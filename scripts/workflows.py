@@ -114,10 +114,14 @@ def _sampler(node_id: int, pos, pipe: tuple[int, int], steps: int = 40, cfg: flo
     }, links={"pipe": pipe, "image": (1, 0)}, pos=pos)
 
 
-def _fp8(node_id: int, pos, pipe: tuple[int, int], backend: str) -> Node:
+FASTEST_LAYERS = "attn+mlp+mod compute"
+"""Measured on an H200 (docs/benchmarks.md): faster than the default preset and more accurate."""
+
+
+def _fp8(node_id: int, pos, pipe: tuple[int, int], backend: str, layers: str = "attn+mlp") -> Node:
     return Node(node_id, "QwenEditHopper_ApplyFP8", {
         "backend": backend, "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
-        "amax_compute_algo": "max", "layers": "attn+mlp", "modulation": "fp8 storage",
+        "amax_compute_algo": "max", "layers": layers, "modulation": "fp8 storage", "fast_accum": True,
     }, links={"pipe": pipe}, pos=pos)
 
 
@@ -155,8 +159,9 @@ def preset_te_fp8() -> Workflow:
 
 def preset_fastest() -> Workflow:
     return Workflow("qwen_edit_fastest", "fastest",
-                    "The fastest correct combination on one Hopper GPU: row-wise FP8 scaled-mm, compiled blocks.",
-                    [_image(), _loader(2, (0, 0)), _fp8(3, (420, 0), (2, 0), "scaled_mm_rowwise"),
+                    "The fastest correct combination measured on one Hopper GPU: row-wise FP8 scaled-mm for attention, "
+                    "MLP and modulation linears with fast accumulation, compiled blocks, batched true CFG.",
+                    [_image(), _loader(2, (0, 0)), _fp8(3, (420, 0), (2, 0), "scaled_mm_rowwise", FASTEST_LAYERS),
                      _compile(4, (840, 0), (3, 0)), _sampler(5, (1260, 0), (4, 0)),
                      _save(6, (1680, 0), (5, 0), "qwen_edit_fastest")])
 
@@ -173,7 +178,7 @@ def preset_lightning_4step() -> Workflow:
     return Workflow("qwen_edit_lightning_4step", "Lightning 4-step",
                     "Lightning 4-step LoRA (scheduler and cfg 1 chosen automatically), FP8 and compile.",
                     [_image(), _loader(2, (0, 0)), _lora(3, (420, 0), (2, 0), LIGHTNING_4),
-                     _fp8(4, (840, 0), (3, 0), "scaled_mm_rowwise"), _compile(5, (1260, 0), (4, 0)),
+                     _fp8(4, (840, 0), (3, 0), "scaled_mm_rowwise", FASTEST_LAYERS), _compile(5, (1260, 0), (4, 0)),
                      _sampler(6, (1680, 0), (5, 0), steps=4), _save(7, (2100, 0), (6, 0), "qwen_edit_lightning")])
 
 
@@ -194,7 +199,8 @@ def preset_benchmark() -> Workflow:
                     "Compares presets side by side on one loaded base: seconds per step and image, peak VRAM, "
                     "PSNR/SSIM against the first (bf16) variant.",
                     [_image(), _loader(2, (0, 0)), _fp8(3, (420, 200), (2, 0), "te"),
-                     _fp8(4, (420, 500), (2, 0), "scaled_mm_rowwise"), _compile(5, (840, 500), (4, 0)), bench,
+                     _fp8(4, (420, 500), (2, 0), "scaled_mm_rowwise", FASTEST_LAYERS), _compile(5, (840, 500), (4, 0)),
+                     bench,
                      Node(7, "PreviewImage", links={"images": (6, 0)}, pos=(1680, 0)),
                      Node(8, "PreviewAny", links={"source": (6, 1)}, pos=(1680, 400))])
 

@@ -67,7 +67,8 @@ def fuse_lora(name: str, strength: float = 1.0) -> dict[str, Any]:
 
 def apply_fp8(backend: str = "weight_only", **overrides: Any) -> dict[str, Any]:
     inputs = {"backend": backend, "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
-              "amax_compute_algo": "max", "layers": "attn+mlp", "modulation": "fp8 storage", **overrides}
+              "amax_compute_algo": "max", "layers": "attn+mlp", "modulation": "fp8 storage", "fast_accum": True,
+              **overrides}
     return {"class_type": "QwenEditHopper_ApplyFP8", "inputs": inputs}
 
 

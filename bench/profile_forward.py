@@ -1,0 +1,145 @@
+"""Where the time of the pack's fastest DiT forward goes (kernel profile), and which FP8 layer preset wins.
+
+Full-size Qwen-Image-Edit DiT, random weights, 1024x1024 edit with one reference image (8192 image +
+300 text tokens), batch 1, the pack's fast forward with regional compile. For each FP8 preset variant:
+ms per forward (CUDA events, median of 7 after warm-up) and whole-forward relative error vs bf16 eager;
+then a kernel-time profile of the first variant, grouped into attention / fp8 GEMM / bf16 GEMM /
+fused elementwise (Triton) / other, with the top kernels. Run from the repo root on an H100/H200:
+
+    source bench/device_env.sh && python3 bench/profile_forward.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import harness_models as hm
+from pack import load_pack
+
+CATEGORIES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn", "_attn")),
+    ("fp8 GEMM", ("e4m3", "f8f8", "fp8", "scaled_mm", "sm90_xmma_gemm_f8")),
+    ("bf16 GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    ("Triton fused elementwise", ("triton_",)),
+)
+
+
+def category(name: str) -> str:
+    lower = name.lower()
+    for label, keys in CATEGORIES:
+        if any(k in lower for k in keys):
+            return label
+    return "other"
+
+
+def time_ms(fn, warmup: int = 3, reps: int = 7) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def profile(fn) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1000.0, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    totals: dict[str, float] = {}
+    for name, ms, _ in rows:
+        totals[category(name)] = totals.get(category(name), 0.0) + ms
+    return {"total_ms": sum(r[1] for r in rows), "by_category": totals,
+            "top": [[name[:140], round(ms, 2), count] for name, ms, count in rows[:25]]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
+    args = parser.parse_args()
+    load_pack()
+    from qwen_edit_hopper.fp8 import Fp8Config
+    from qwen_edit_hopper.qwen_edit import fast_forward as ff
+    from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
+    from qwen_edit_hopper.qwen_edit.fp8_dit import build_fp8_dit
+
+    device = torch.device("cuda")
+    base = hm.build_dit(hm.FULL, device)
+    inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
+    reference = hm.fast_forward(ff, base, inputs)
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}
+    fastest = Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute")
+    fast_accum = Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True)
+    # (label, fp8 config, compile mode, inductor coordinate-descent tuning)
+    variants = [
+        ("rowwise, mod fp8 compute", fastest, None, False),
+        ("rowwise, mod fp8 compute, fast accum", fast_accum, None, False),
+        ("rowwise, mod fp8 compute, fast accum, coordinate descent", fast_accum, None, True),
+        ("rowwise, mod fp8 compute, fast accum, max-autotune-no-cudagraphs", fast_accum,
+         "max-autotune-no-cudagraphs", False),
+    ]
+    import torch._inductor.config as inductor_config
+
+    with dynamo_settings():
+        for label, config, mode, coordinate_descent in variants:
+            torch._dynamo.reset()
+            inductor_config.coordinate_descent_tuning = coordinate_descent
+            module = build_fp8_dit(base, config)
+            ff.compile_blocks(module, mode=mode)
+
+            def call(module=module):
+                return hm.fast_forward(ff, module, inputs)
+            started = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - started
+            ms = time_ms(call)
+            error = rel_err(call(), reference)
+            results["variants"][label] = {"ms": round(ms, 2), "rel_err": error, "first_call_s": round(compile_s, 1)}
+            print(f"{label:66s} {ms:8.1f} ms  err {error:.2e}  first call {compile_s:.0f} s", flush=True)
+            if label.endswith("fast accum"):
+                results["profile"] = {"variant": label, **profile(call)}
+            del module, call
+            gc.collect()
+            torch.cuda.empty_cache()
+        inductor_config.coordinate_descent_tuning = False
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile_forward.json").write_text(json.dumps(results, indent=1))
+    prof = results["profile"]
+    print(f"\nPROFILE of {prof['variant']}: {prof['total_ms']:.1f} ms of kernels")
+    for name, ms in sorted(prof["by_category"].items(), key=lambda kv: -kv[1]):
+        print(f"  {name:28s} {ms:7.1f} ms  {100 * ms / prof['total_ms']:5.1f}%")
+    print("top kernels:")
+    for name, ms, count in prof["top"][:15]:
+        print(f"  {ms:7.1f} ms {count:5d}x  {name[:100]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
