@@ -19,6 +19,7 @@ import argparse
 import io
 import json
 import sys
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,8 +76,9 @@ LINK_INPUTS = {
     "PreviewImage": [("images", "IMAGE")],
     "PreviewAny": [("source", "*")],
 }
-CONTROL_AFTER_GENERATE = {("QwenEditHopper_Sampler", "seed")}
-"""Widgets followed by the frontend's 'control after generate' value in widgets_values."""
+CONTROL_AFTER_GENERATE = ("seed", "noise_seed")
+"""Number widgets the frontend follows with a 'control after generate' value in widgets_values (its rule is by
+input name, whatever the node declares)."""
 
 
 @dataclass
@@ -215,7 +217,7 @@ def widget_values(node: Node) -> list[Any]:
     values = []
     for name, value in node.widgets.items():
         values.append(value)
-        if (node.type, name) in CONTROL_AFTER_GENERATE:
+        if name in CONTROL_AFTER_GENERATE:
             values.append("fixed")
     if node.type == "LoadImage":
         values.append("image")
@@ -259,7 +261,8 @@ def to_ui(workflow: Workflow) -> dict[str, Any]:
             "widgets_values": widget_values(node), **({"title": node.title} if node.title else {}),
         })
     return {
-        "id": f"qwen-edit-hopper-{workflow.name}", "revision": 0, "last_node_id": max(n.id for n in workflow.nodes),
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"qwen-edit-hopper/{workflow.name}")), "revision": 0,
+        "last_node_id": max(n.id for n in workflow.nodes),
         "last_link_id": len(links), "nodes": ui_nodes, "links": links, "groups": [], "config": {},
         "extra": {"ds": {"scale": 0.8, "offset": [40, 40]}, "info": {"title": workflow.title,
                                                                        "description": workflow.description}},
@@ -282,8 +285,6 @@ def to_api(workflow: Workflow) -> dict[str, Any]:
     prompt = {}
     for node in workflow.nodes:
         inputs: dict[str, Any] = dict(node.widgets)
-        if node.type == "LoadImage":
-            inputs["upload"] = "image"
         for name, (source_id, slot) in node.links.items():
             inputs[name] = [str(source_id), slot]
         prompt[str(node.id)] = {"class_type": node.type, "inputs": inputs,

@@ -35,6 +35,34 @@ def comfy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
         SERVERS.remove(server)
 
 
+@pytest.fixture(scope="session")
+def emulating_comfy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
+    """The server the shipped workflows run on (tests/integration/test_workflows.py and tests/browser).
+
+    FP8 backends that cannot run on this CPU are emulated (QWEN_EDIT_FP8_EMULATE=1, reported in the node
+    output), and the workflows' input picture is in its input folder. ``--cache-lru`` keeps every node
+    output of every prompt (ComfyUI's default cache keeps only the last prompt's): a workflow queued again
+    with the same inputs, by the API-twin test or from the browser, completes from the cache.
+    """
+    from fixtures_models import install_tiny_models
+    from prompts import write_image
+    from workflows import INPUT_IMAGE
+
+    base = tmp_path_factory.mktemp("comfy_workflows")
+    install_tiny_models(base / "models")
+    server = guarded_server(base)
+    server.env["QWEN_EDIT_FP8_EMULATE"] = "1"
+    server.extra_args = ("--cache-lru", "200")
+    server.start()
+    write_image(server.input_dir / INPUT_IMAGE, 128, 96, seed=5)
+    SERVERS.append(server)
+    try:
+        yield server
+    finally:
+        server.stop()
+        SERVERS.remove(server)
+
+
 @pytest.fixture
 def fresh_comfy(tmp_path: Path) -> Iterator[ComfyServer]:
     """A server of its own for a test that measures or disturbs process state."""

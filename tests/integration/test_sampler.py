@@ -65,7 +65,9 @@ def test_sizes_not_multiple_of_16_are_rounded_and_said_so(comfy, picture):
 
 
 def test_interrupt_stops_sampling_and_the_next_prompt_succeeds(comfy, picture):
-    prompt_id = comfy.queue(edit_prompt(picture, steps=200, seed=11, width=128, height=128, prefix="interrupted"))
+    # 200 steps at 512x512 with true CFG takes tens of seconds on a CPU: long enough to interrupt mid-way
+    prompt_id = comfy.queue(edit_prompt(picture, steps=200, seed=11, width=512, height=512,
+                                        reference_megapixels=0.25, prefix="interrupted"))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         running = comfy.get("/queue").json()["queue_running"]

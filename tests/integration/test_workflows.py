@@ -10,30 +10,14 @@ from pathlib import Path
 
 import pytest
 from comfy_server import ComfyServer
-from fixtures_models import install_tiny_models
-from fixtures_server import SERVERS, guarded_server
-from prompts import read_image, write_image
+from prompts import read_image
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from workflows import INPUT_IMAGE, PRESETS, to_api, widget_values  # noqa: E402
+from workflows import PRESETS, to_api, widget_values  # noqa: E402
 
 WORKFLOWS = sorted(p().name for p in PRESETS)
-
-
-@pytest.fixture(scope="module")
-def emulating_comfy(tmp_path_factory):
-    """A server where FP8 backends that cannot run on this CPU are emulated (reported in the node output)."""
-    base = tmp_path_factory.mktemp("comfy_workflows")
-    install_tiny_models(base / "models")
-    server = guarded_server(base)
-    server.env["QWEN_EDIT_FP8_EMULATE"] = "1"
-    server.start()
-    write_image(server.input_dir / INPUT_IMAGE, 128, 96, seed=5)
-    SERVERS.append(server)
-    yield server
-    server.stop()
-    SERVERS.remove(server)
+# emulating_comfy: a session fixture in tests/fixtures_server.py, shared with tests/browser.
 
 
 def test_api_twins_and_ui_files_match_their_source():
@@ -64,7 +48,11 @@ def test_widget_order_matches_the_servers_input_order(emulating_comfy: ComfyServ
             widgets = [n for n in order if isinstance(inputs[n][0], list) or inputs[n][0] in widget_types]
             widgets = [n for n in widgets if not (node.type == "LoadImage" and n == "upload")]
             assert list(node.widgets) == widgets, f"{preset().name}: {node.type} widgets out of order"
-            assert len(widget_values(node)) >= len(widgets)
+            # The frontend follows every INT input named seed/noise_seed with a 'control after generate'
+            # value, and LoadImage's image with its upload button's value.
+            controls = sum(1 for n in widgets if n in ("seed", "noise_seed") and inputs[n][0] == "INT")
+            uploads = 1 if node.type == "LoadImage" else 0
+            assert len(widget_values(node)) == len(widgets) + controls + uploads, f"{preset().name}: {node.type}"
 
 
 @pytest.mark.parametrize("name", WORKFLOWS)
