@@ -15,7 +15,8 @@ Typical use::
 
 Modules: :mod:`.config` (Fp8Config, TeRecipeConfig), :mod:`.presets`,
 :mod:`.capability`, :mod:`.quant` (quantization math), :mod:`.linear`
-(ScaledMMLinear, WeightOnlyLinear), :mod:`.te_backend` (TeLinear, calibration),
+(ScaledMMLinear, WeightOnlyLinear), :mod:`.gelu_quant` (fused GELU + quantize kernel),
+:mod:`.te_backend` (TeLinear, calibration),
 :mod:`.swap` (quantize_linears), :mod:`.numerics`, :mod:`.diagnose`.
 """
 

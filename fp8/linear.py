@@ -163,17 +163,28 @@ class ScaledMMLinear(Fp8Linear):
         return cls(w8, ws, linear.bias, granularity, emulate, layer_name, fast_accum)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        if self.granularity == "rowwise" and not self.emulate and x2d.dtype != torch.bfloat16:
-            raise TypeError(f"{self.layer_name or 'ScaledMMLinear'}: row-wise torch._scaled_mm takes bf16 activations "
-                            f"(its kernel writes bf16 only), got {x2d.dtype}")
-        x8, xs = quantize_rowwise(x2d) if self.granularity == "rowwise" else quantize_tensorwise(x2d)
-        if self.emulate:
-            y = reference_scaled_mm(x8, xs, self.weight, self.weight_scale, x2d.dtype)
-        else:
-            y = scaled_mm(x8, xs, self.weight, self.weight_scale, x2d.dtype, self.fast_accum)
+        y = self.gemm(*self.quantize_input(x2d), x2d.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def quantize_input(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x2d [M, K] -> (x8 [M, K] float8_e4m3fn, scale [M, 1] or 0-dim float32) at this layer's granularity."""
+        if self.granularity == "rowwise" and not self.emulate and x2d.dtype != torch.bfloat16:
+            raise TypeError(f"{self.layer_name or 'ScaledMMLinear'}: row-wise torch._scaled_mm takes bf16 activations "
+                            f"(its kernel writes bf16 only), got {x2d.dtype}")
+        return quantize_rowwise(x2d) if self.granularity == "rowwise" else quantize_tensorwise(x2d)
+
+    def gemm(self, x8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The fp8 GEMM alone, on an already quantized input, without the bias.
+
+        x8: [M, K] float8_e4m3fn, x_scale: [M, 1] (row-wise) or 0-dim (tensor-wise) float32.
+        Returns [M, N] ``out_dtype``. For callers that quantize the input themselves (a fused kernel)
+        or add the bias elsewhere.
+        """
+        if self.emulate:
+            return reference_scaled_mm(x8, x_scale, self.weight, self.weight_scale, out_dtype)
+        return scaled_mm(x8, x_scale, self.weight, self.weight_scale, out_dtype, self.fast_accum)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", granularity={self.granularity}" + (", emulate=True" if self.emulate else "")

@@ -11,6 +11,8 @@ for a batch, written so that ``torch.compile`` turns the elementwise work into f
 * modulation: the six shift/scale/gate vectors of each stream come from one GEMM and are views
   (no copies); ``norm -> (1 + scale) * x + shift`` is one ``addcmul`` and the gated residuals are
   ``addcmul`` too (one pass each in eager, fused into neighbours by Inductor).
+* MLP through :func:`.mlp.mlp_forward`: with a row-wise fp8 second linear on a GPU, bias + GELU +
+  quantization of the hidden state in one Triton kernel.
 * attention through :func:`...fp8.attention.attention` (the user's backend) on the joint sequence
   ``[image, text]``; right-padded text is handled per sample (valid keys only) or by an SDPA key mask.
 
@@ -24,6 +26,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...fp8.attention import attention
+from .mlp import mlp_forward
 from .qkv import FUSED_IMAGE, FUSED_TEXT
 
 MASK_BACKENDS: dict[str, SDPBackend | None] = {
@@ -109,14 +112,6 @@ def _qkv(attn: torch.nn.Module, x: torch.Tensor, image_stream: bool) -> tuple[to
     projections = (attn.to_q, attn.to_k, attn.to_v) if image_stream else (attn.add_q_proj, attn.add_k_proj,
                                                                           attn.add_v_proj)
     return tuple(p(x).unflatten(-1, (heads, head_dim)) for p in projections)
-
-
-def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """DiffSynth's ``QwenFeedForward``: ``net[0]`` (Linear + x * sigmoid(1.702 x)), ``net[2]``.
-
-    ``net[1]`` is ``Dropout(p=0.0)``, an identity; it is skipped so no RNG op enters the graph.
-    """
-    return mlp.net[2](mlp.net[0](x))
 
 
 def length_carriers(lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -219,8 +214,8 @@ def fast_block(
 
     image = torch.addcmul(image, img_p[2], attn.to_out[0](out[:, :si]))
     text = torch.addcmul(text, txt_p[2], attn.to_add_out(out[:, si:]))
-    image = torch.addcmul(image, img_p[5], _mlp(block.img_mlp, _modulate(image, block.img_norm2.eps, img_p[3],
+    image = torch.addcmul(image, img_p[5], mlp_forward(block.img_mlp, _modulate(image, block.img_norm2.eps, img_p[3],
                                                                          img_p[4])))
-    text = torch.addcmul(text, txt_p[5], _mlp(block.txt_mlp, _modulate(text, block.txt_norm2.eps, txt_p[3],
+    text = torch.addcmul(text, txt_p[5], mlp_forward(block.txt_mlp, _modulate(text, block.txt_norm2.eps, txt_p[3],
                                                                        txt_p[4])))
     return image, text

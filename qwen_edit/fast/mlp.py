@@ -1,0 +1,52 @@
+"""DiffSynth's ``QwenFeedForward`` for the fast block, with a fused fp8 path.
+
+``net[0]`` is ``ApproximateGELU`` (Linear D -> 4D, then ``y * sigmoid(1.702 y)``), ``net[1]`` a
+``Dropout(p=0.0)`` (an identity, skipped so no RNG op enters the graph), ``net[2]`` Linear 4D -> D.
+
+When ``net[2]`` is a row-wise :class:`...fp8.ScaledMMLinear` on a CUDA GPU, the hidden state
+(tokens x 4D, the largest activation of the block) goes through one Triton kernel
+(:func:`...fp8.gelu_quant.gelu_quantize_rowwise`): ``net[0]``'s bias, the GELU and the per-token
+fp8 quantization in one read of the GEMM output, instead of Inductor's two-pass reduction kernel.
+Same math as the plain path (docs/experiments/forward.md has the measurement). Elsewhere (CPU,
+emulated fp8, other backends) the plain path runs; it computes the same thing.
+
+``FUSED_GELU_QUANT`` (environment ``QWEN_EDIT_FUSED_GELU_QUANT=0`` turns it off) exists so the
+benchmark can time both paths in one run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...fp8.gelu_quant import gelu_quant_problem, gelu_quantize_rowwise
+from ...fp8.linear import ScaledMMLinear
+
+__all__ = ["FUSED_GELU_QUANT", "mlp_forward", "uses_fused_gelu_quant"]
+
+FUSED_GELU_QUANT = os.environ.get("QWEN_EDIT_FUSED_GELU_QUANT", "1") != "0"
+
+
+def uses_fused_gelu_quant(mlp: torch.nn.Module, x: torch.Tensor) -> bool:
+    """True when :func:`mlp_forward` takes the fused kernel for this MLP and input (B, S, D)."""
+    down = mlp.net[2]
+    return (FUSED_GELU_QUANT and isinstance(down, ScaledMMLinear) and down.granularity == "rowwise"
+            and not down.emulate and x.dtype == torch.bfloat16
+            and gelu_quant_problem(x.device, down.in_features) is None)
+
+
+def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x: (B, S, D) -> (B, S, D), what ``mlp(x)`` computes."""
+    if not uses_fused_gelu_quant(mlp, x):
+        return mlp.net[2](mlp.net[0](x))
+    up, down = mlp.net[0].proj, mlp.net[2]
+    x2d = x.reshape(-1, x.shape[-1])
+    if isinstance(up, ScaledMMLinear):  # its bias goes into the fused kernel instead of its own pass
+        hidden, up_bias = up.gemm(*up.quantize_input(x2d), x2d.dtype), up.bias
+    else:
+        hidden, up_bias = up(x2d), None
+    out = down.gemm(*gelu_quantize_rowwise(hidden, up_bias), x2d.dtype)
+    if down.bias is not None:
+        out = out + down.bias.to(out.dtype)
+    return out.reshape(*x.shape[:-1], down.out_features)
