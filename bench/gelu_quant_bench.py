@@ -1,62 +1,60 @@
 """Micro-benchmark of the MLP hidden state's bias + GELU + row-wise fp8 quantize (8192 x 12288 bf16).
 
-Inductor's compiled plain-torch version against ``fp8.gelu_quant``'s Triton kernel in its variants
-(warps per row). CUDA events, median of 50. Run on the device:
+Inductor's compiled plain-torch version against ``fp8.gelu_quant``'s Triton kernel at several warps per
+row; codes compared with ``reference_gelu_quantize``. CUDA events, median of 50. Run on the device:
 
     source bench/device_env.sh && python3 bench/gelu_quant_bench.py
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import harness_core as hc
 from pack import load_pack
 
 
-def time_ms(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def main() -> int:
-    load_pack()
+def measure(device: torch.device, rows: int = 8192, cols: int = 12288, warps: tuple[int, ...] = ()) -> dict:
+    """{label: {"ms", "GB/s", "same_codes"}} for Inductor and the kernel (default warps, or each of ``warps``)."""
     from qwen_edit_hopper.fp8 import gelu_quant as gq
     from qwen_edit_hopper.fp8.quant import quantize_rowwise
 
-    rows, cols = 8192, 12288
-    y = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 2
-    bias = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
-    bytes_moved = rows * cols * 3 + rows * 4
+    y = torch.randn(rows, cols, device=device, dtype=torch.bfloat16) * 2
+    bias = torch.randn(cols, device=device, dtype=torch.bfloat16)
+    bytes_moved = rows * cols * 3 + rows * 4  # bf16 in, e4m3 out, scales
     ref8, _ = gq.reference_gelu_quantize(y, bias)
 
-    def plain(y, bias):
+    def plain(y, bias):  # what the unfused path computes: bias add, DiffSynth's GELU, quantize_rowwise
         h = y + bias
         return quantize_rowwise(h * torch.sigmoid(1.702 * h))
 
     compiled = torch.compile(plain)
     candidates = {"inductor": lambda: compiled(y, bias)}
-    for warps in (4, 8, 16, 32):
-        candidates[f"kernel warps={warps}"] = lambda warps=warps: gq._gelu_quantize_op(y, bias, warps)
-    print(f"{'variant':32s} {'ms':>7s} {'GB/s':>7s} same-codes")
+    for w in warps or (gq.DEFAULT_WARPS,):
+        candidates[f"fused kernel, {w} warps"] = lambda w=w: gq._gelu_quantize_op(y, bias, w)
+    out = {}
     for label, fn in candidates.items():
-        ms = time_ms(fn)
+        ms = hc.time_calls(fn, device, warmup=5, reps=50)["ms"]
         h8, _ = fn()
-        same = float((h8.float() == ref8.float()).float().mean())
-        print(f"{label:32s} {ms:7.4f} {bytes_moved / ms / 1e6:7.0f} {same:.5f}")
+        out[label] = {"ms": round(ms, 4), "GB/s": round(bytes_moved / ms / 1e6, 1),
+                      "same_codes": float((h8.float() == ref8.float()).float().mean())}
+    return out
+
+
+def print_table(results: dict) -> None:
+    print(f"{'GELU+quantize 8192x12288':32s} {'ms':>7s} {'GB/s':>7s} same-codes")
+    for label, row in results.items():
+        print(f"{label:32s} {row['ms']:7.4f} {row['GB/s']:7.0f} {row['same_codes']:.6f}", flush=True)
+
+
+def main() -> int:
+    load_pack()
+    print_table(measure(torch.device("cuda"), warps=(4, 8, 16, 32)))
     return 0
 
 

@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import gelu_quant_bench
+import harness_core as hc
 import harness_models as hm
 from pack import load_pack
 
@@ -45,21 +46,6 @@ def category(name: str) -> str:
         if any(k in lower for k in keys):
             return label
     return "other"
-
-
-def time_ms(fn, warmup: int = 3, reps: int = 7) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -82,35 +68,6 @@ def profile(fn) -> dict:
             "top": [[name[:140], round(ms, 2), count] for name, ms, count in rows[:25]]}
 
 
-def time_gelu_quant(device: torch.device, rows: int = 8192, cols: int = 12288) -> dict:
-    """One MLP hidden state (8192 x 12288 bf16 + bias): Inductor's compiled bias+GELU+quantize vs the fused kernel."""
-    from qwen_edit_hopper.fp8.gelu_quant import gelu_quantize_rowwise, reference_gelu_quantize
-
-    y = torch.randn(rows, cols, device=device, dtype=torch.bfloat16) * 2
-    bias = torch.randn(cols, device=device, dtype=torch.bfloat16)
-
-    def eager_module_math(y, bias):  # what the plain path computes: bias add, DiffSynth's GELU, quantize_rowwise
-        from qwen_edit_hopper.fp8.quant import quantize_rowwise
-
-        h = y + bias
-        return quantize_rowwise(h * torch.sigmoid(1.702 * h))
-
-    inductor = torch.compile(eager_module_math)
-    bytes_moved = rows * cols * 3 + rows * 4  # bf16 in, e4m3 out, scales
-    out = {}
-    for label, fn in (("inductor", inductor), ("fused kernel", gelu_quantize_rowwise)):
-        ms = time_ms(lambda fn=fn: fn(y, bias), warmup=3, reps=20)
-        out[label] = {"ms": round(ms, 4), "GB/s": round(bytes_moved / ms / 1e6, 1)}
-    h8, hs = gelu_quantize_rowwise(y, bias)
-    r8, rs = reference_gelu_quantize(y, bias)
-    out["same_codes"] = float((h8.float() == r8.float()).float().mean())
-    out["scale_rel_err"] = rel_err(hs, rs)
-    print(f"GELU+quantize 8192x12288: inductor {out['inductor']['ms']:.3f} ms ({out['inductor']['GB/s']} GB/s), "
-          f"fused {out['fused kernel']['ms']:.3f} ms ({out['fused kernel']['GB/s']} GB/s), same codes "
-          f"{out['same_codes']:.5f}", flush=True)
-    return out
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
@@ -127,7 +84,8 @@ def main() -> int:
     reference = hm.fast_forward(ff, base, inputs)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}
     fast_accum = Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True)
-    results["gelu_quant_kernel"] = time_gelu_quant(device)
+    results["gelu_quant_kernel"] = gelu_quant_bench.measure(device)
+    gelu_quant_bench.print_table(results["gelu_quant_kernel"])
     # (label, fp8 config, fused GELU + quantize kernel in the MLP)
     variants = [
         ("rowwise, mod fp8 compute, fast accum, Inductor GELU+quantize", fast_accum, False),
@@ -148,7 +106,7 @@ def main() -> int:
             call()
             torch.cuda.synchronize()
             compile_s = time.perf_counter() - started
-            ms = time_ms(call)
+            ms = hc.time_calls(call, device, warmup=3, reps=7)["ms"]
             error = rel_err(call(), reference)
             results["variants"][label] = {"ms": round(ms, 2), "rel_err": error, "first_call_s": round(compile_s, 1)}
             print(f"{label:66s} {ms:8.1f} ms  err {error:.2e}  first call {compile_s:.0f} s", flush=True)
