@@ -1,7 +1,10 @@
-"""Micro-benchmark of the MLP hidden state's bias + GELU + row-wise fp8 quantize (8192 x 12288 bf16).
+"""Micro-benchmarks of the fused quantization kernels against Inductor's code for the same math.
 
-Inductor's compiled plain-torch version against ``fp8.gelu_quant``'s Triton kernel at several warps per
-row; codes compared with ``reference_gelu_quantize``. CUDA events, median of 50. Run on the device:
+* the MLP hidden state's bias + GELU + row-wise fp8 quantize (8192 x 12288 bf16, ``fp8.gelu_quant``);
+* a stream input's LayerNorm + modulate + row-wise fp8 quantize (8192 x 3072 bf16, ``fp8.norm_quant``).
+
+Each at several warps per row; codes compared with the module's reference function. CUDA events,
+median of 50. Run on the device:
 
     source bench/device_env.sh && python3 bench/gelu_quant_bench.py
 """
@@ -46,8 +49,37 @@ def measure(device: torch.device, rows: int = 8192, cols: int = 12288, warps: tu
     return out
 
 
-def print_table(results: dict) -> None:
-    print(f"{'GELU+quantize 8192x12288':32s} {'ms':>7s} {'GB/s':>7s} same-codes")
+def measure_modulate(device: torch.device, rows: int = 8192, cols: int = 3072, warps: tuple[int, ...] = ()) -> dict:
+    """{label: {"ms", "GB/s", "same_codes"}} for Inductor and the LayerNorm + modulate + quantize kernel."""
+    from qwen_edit_hopper.fp8 import norm_quant as nq
+    from qwen_edit_hopper.fp8.quant import quantize_rowwise
+
+    x = (torch.randn(1, rows, cols, device=device) * 3 + 1).bfloat16()
+    mod = torch.randn(1, 6 * cols, device=device, dtype=torch.bfloat16)
+    bytes_moved = rows * cols * 3 + rows * 4  # bf16 in, e4m3 out, scales
+    ref8, _ = nq.reference_modulate_quantize(x, 1e-6, mod, 6, 0, 1)
+
+    def plain(x, mod):  # what the unfused path computes: the block's addcmul modulation, quantize_rowwise
+        p = mod.unflatten(-1, (6, cols)).unsqueeze(1)
+        modulated = torch.addcmul(p[:, :, 0], torch.nn.functional.layer_norm(x, (cols,), eps=1e-6), 1 + p[:, :, 1])
+        return quantize_rowwise(modulated.reshape(-1, cols))
+
+    compiled = torch.compile(plain)
+    candidates = {"inductor": lambda: compiled(x, mod)}
+    for w in warps or (nq.DEFAULT_WARPS,):
+        candidates[f"fused kernel, {w} warps"] = lambda w=w: nq._modulate_quantize_op(
+            x.reshape(-1, cols), rows, 1e-6, mod, 6, 0, 1, None, w)
+    out = {}
+    for label, fn in candidates.items():
+        ms = hc.time_calls(fn, device, warmup=5, reps=50)["ms"]
+        x8, _ = fn()
+        out[label] = {"ms": round(ms, 4), "GB/s": round(bytes_moved / ms / 1e6, 1),
+                      "same_codes": float((x8.float() == ref8.float()).float().mean())}
+    return out
+
+
+def print_table(results: dict, title: str = "GELU+quantize 8192x12288") -> None:
+    print(f"{title:32s} {'ms':>7s} {'GB/s':>7s} same-codes")
     for label, row in results.items():
         print(f"{label:32s} {row['ms']:7.4f} {row['GB/s']:7.0f} {row['same_codes']:.6f}", flush=True)
 
@@ -55,6 +87,7 @@ def print_table(results: dict) -> None:
 def main() -> int:
     load_pack()
     print_table(measure(torch.device("cuda"), warps=(4, 8, 16, 32)))
+    print_table(measure_modulate(torch.device("cuda"), warps=(2, 4, 8, 16)), "LN+modulate+quantize 8192x3072")
     return 0
 
 

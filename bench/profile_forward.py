@@ -3,8 +3,9 @@
 Full-size Qwen-Image-Edit DiT, random weights, 1024x1024 edit with one reference image (8192 image +
 300 text tokens), batch 1, the pack's fast forward with regional compile, the fastest preset (row-wise
 scaled-mm, "attn+mlp+mod compute", fast accumulation). First the MLP hidden state alone (8192 x 12288):
-Inductor's compiled bias + GELU + row-wise quantize against ``fp8.gelu_quant``'s kernel. Then per
-variant (MLP through Inductor's kernel, or through the fused kernel): ms per forward (CUDA events,
+Inductor's compiled bias + GELU + row-wise quantize against ``fp8.gelu_quant``'s kernel, and a stream
+input (8192 x 3072) through LayerNorm + modulate + quantize against ``fp8.norm_quant``'s. Then per
+variant (quantization by Inductor's kernels, or by the fused kernels): ms per forward (CUDA events,
 median of 7 after warm-up), whole-forward relative error vs bf16 eager, and a kernel-time profile
 grouped into attention / fp8 GEMM / bf16 GEMM / fused elementwise (Triton) / other, with the top
 kernels (of the last variant). Run from the repo root on an H100/H200:
@@ -86,17 +87,21 @@ def main() -> int:
     fast_accum = Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True)
     results["gelu_quant_kernel"] = gelu_quant_bench.measure(device)
     gelu_quant_bench.print_table(results["gelu_quant_kernel"])
-    # (label, fp8 config, fused GELU + quantize kernel in the MLP)
+    results["modulate_quant_kernel"] = gelu_quant_bench.measure_modulate(device)
+    gelu_quant_bench.print_table(results["modulate_quant_kernel"], "LN+modulate+quantize 8192x3072")
+    # (label, fp8 config, fused GELU + quantize kernel in the MLP, fused LayerNorm + modulate + quantize kernel)
     variants = [
-        ("rowwise, mod fp8 compute, fast accum, Inductor GELU+quantize", fast_accum, False),
-        ("rowwise, mod fp8 compute, fast accum, fused GELU+quantize kernel", fast_accum, True),
+        ("fastest preset, Inductor quantization", fast_accum, False, False),
+        ("fastest preset, fused GELU+quantize kernel", fast_accum, True, False),
+        ("fastest preset, fused GELU+quantize and LN+modulate+quantize kernels", fast_accum, True, True),
     ]
     from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
+    from qwen_edit_hopper.qwen_edit.fast import prequant
 
     with dynamo_settings():
-        for label, config, fused in variants:
+        for label, config, fused_gelu, fused_norm in variants:
             torch._dynamo.reset()
-            fast_mlp.FUSED_GELU_QUANT = fused
+            fast_mlp.FUSED_GELU_QUANT, prequant.FUSED_NORM_QUANT = fused_gelu, fused_norm
             module = build_fp8_dit(base, config)
             ff.compile_blocks(module)
 
@@ -109,7 +114,7 @@ def main() -> int:
             ms = hc.time_calls(call, device, warmup=3, reps=7)["ms"]
             error = rel_err(call(), reference)
             results["variants"][label] = {"ms": round(ms, 2), "rel_err": error, "first_call_s": round(compile_s, 1)}
-            print(f"{label:66s} {ms:8.1f} ms  err {error:.2e}  first call {compile_s:.0f} s", flush=True)
+            print(f"{label:72s} {ms:8.1f} ms  err {error:.2e}  first call {compile_s:.0f} s", flush=True)
             results.setdefault("profiles", {})[label] = profile(call)
             results["profile"] = {"variant": label, **results["profiles"][label]}
             del module, call
@@ -119,7 +124,7 @@ def main() -> int:
     (args.out / "profile_forward.json").write_text(json.dumps(results, indent=1))
     prof = results["profile"]
     for label, variant in results["variants"].items():
-        print(f"{label:66s} {variant['ms']:8.1f} ms  err {variant['rel_err']:.2e}")
+        print(f"{label:72s} {variant['ms']:8.1f} ms  err {variant['rel_err']:.2e}")
     print(f"\nPROFILE of {prof['variant']}: {prof['total_ms']:.1f} ms of kernels")
     for name, ms in sorted(prof["by_category"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:28s} {ms:7.1f} ms  {100 * ms / prof['total_ms']:5.1f}%")

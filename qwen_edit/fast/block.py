@@ -13,6 +13,8 @@ for a batch, written so that ``torch.compile`` turns the elementwise work into f
   ``addcmul`` too (one pass each in eager, fused into neighbours by Inductor).
 * MLP through :func:`.mlp.mlp_forward`: with a row-wise fp8 second linear on a GPU, bias + GELU +
   quantization of the hidden state in one Triton kernel.
+* with row-wise fp8 consumers on a GPU, LayerNorm + modulation + quantization of each stream's
+  attention and MLP input in one Triton kernel (:mod:`.prequant`), shared by Q/K/V.
 * attention through :func:`...fp8.attention.attention` (the user's backend) on the joint sequence
   ``[image, text]``; right-padded text is handled per sample (valid keys only) or by an SDPA key mask.
 
@@ -26,7 +28,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...fp8.attention import attention
-from .mlp import mlp_forward
+from .mlp import mlp_forward, mlp_takes_prequantized
+from .prequant import Prequantized, apply_linear, modulated_input, takes_prequantized
 from .qkv import FUSED_IMAGE, FUSED_TEXT
 
 MASK_BACKENDS: dict[str, SDPBackend | None] = {
@@ -98,20 +101,28 @@ def _mod_params(mod: torch.Tensor, dim: int, selector: torch.Tensor | None) -> t
     return tuple(torch.where(selector, first[:, :, j], second[:, :, j]) for j in range(6))
 
 
-def _modulate(x: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``LayerNorm(x) * (1 + scale) + shift`` (no affine LayerNorm), x (B, S, D)."""
-    return torch.addcmul(shift, F.layer_norm(x, (x.shape[-1],), eps=eps), 1 + scale)
-
-
-def _qkv(attn: torch.nn.Module, x: torch.Tensor, image_stream: bool) -> tuple[torch.Tensor, ...]:
-    """q, k, v of one stream, each (B, S, H, Dh) (views into one GEMM output when fused)."""
-    heads, head_dim = attn.num_heads, attn.head_dim
+def _qkv_layers(attn: torch.nn.Module, image_stream: bool) -> tuple[torch.nn.Module, ...]:
+    """The fused QKV linear of one stream, or its three projections."""
     fused = getattr(attn, FUSED_IMAGE if image_stream else FUSED_TEXT, None)
     if fused is not None:
-        return fused(x).unflatten(-1, (3, heads, head_dim)).unbind(2)
-    projections = (attn.to_q, attn.to_k, attn.to_v) if image_stream else (attn.add_q_proj, attn.add_k_proj,
-                                                                          attn.add_v_proj)
-    return tuple(p(x).unflatten(-1, (heads, head_dim)) for p in projections)
+        return (fused,)
+    return (attn.to_q, attn.to_k, attn.to_v) if image_stream else (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+
+
+def _qkv(attn: torch.nn.Module, layers: tuple[torch.nn.Module, ...], x: torch.Tensor | Prequantized
+         ) -> tuple[torch.Tensor, ...]:
+    """q, k, v of one stream, each (B, S, H, Dh) (views into one GEMM output when fused)."""
+    heads, head_dim = attn.num_heads, attn.head_dim
+    if len(layers) == 1:
+        return apply_linear(layers[0], x).unflatten(-1, (3, heads, head_dim)).unbind(2)
+    return tuple(apply_linear(p, x).unflatten(-1, (heads, head_dim)) for p in layers)
+
+
+def _stream_in(x: torch.Tensor, norm: torch.nn.Module, mod: torch.Tensor, first: int, params: tuple,
+               selector: torch.Tensor | None, consumers_take_fp8: bool) -> torch.Tensor | Prequantized:
+    """The modulated input of one stream's attention (``first`` 0) or MLP (``first`` 3)."""
+    return modulated_input(x, norm.eps, mod, first, first + 1, params[first], params[first + 1], selector,
+                           consumers_take_fp8)
 
 
 def length_carriers(lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -199,11 +210,16 @@ def fast_block(
     attn = block.attn
     dim = image.shape[-1]
     si = image.shape[1]
-    img_p = _mod_params(block.img_mod[1](temb_img), dim, selector)
-    txt_p = _mod_params(block.txt_mod[1](temb_txt), dim, None)
+    img_mod = block.img_mod[1](temb_img)
+    txt_mod = block.txt_mod[1](temb_txt)
+    img_p = _mod_params(img_mod, dim, selector)
+    txt_p = _mod_params(txt_mod, dim, None)
 
-    q_i, k_i, v_i = _qkv(attn, _modulate(image, block.img_norm1.eps, img_p[0], img_p[1]), image_stream=True)
-    q_t, k_t, v_t = _qkv(attn, _modulate(text, block.txt_norm1.eps, txt_p[0], txt_p[1]), image_stream=False)
+    img_qkv, txt_qkv = _qkv_layers(attn, True), _qkv_layers(attn, False)
+    img_fp8 = all(takes_prequantized(p) for p in img_qkv)
+    txt_fp8 = all(takes_prequantized(p) for p in txt_qkv)
+    q_i, k_i, v_i = _qkv(attn, img_qkv, _stream_in(image, block.img_norm1, img_mod, 0, img_p, selector, img_fp8))
+    q_t, k_t, v_t = _qkv(attn, txt_qkv, _stream_in(text, block.txt_norm1, txt_mod, 0, txt_p, None, txt_fp8))
     cos_i, sin_i, cos_t, sin_t = cos[:si], sin[:si], cos[si:], sin[si:]
     q = torch.cat([qk_norm_rope(q_i, attn.norm_q.weight, attn.norm_q.eps, cos_i, sin_i),
                    qk_norm_rope(q_t, attn.norm_added_q.weight, attn.norm_added_q.eps, cos_t, sin_t)], dim=1)
@@ -214,8 +230,10 @@ def fast_block(
 
     image = torch.addcmul(image, img_p[2], attn.to_out[0](out[:, :si]))
     text = torch.addcmul(text, txt_p[2], attn.to_add_out(out[:, si:]))
-    image = torch.addcmul(image, img_p[5], mlp_forward(block.img_mlp, _modulate(image, block.img_norm2.eps, img_p[3],
-                                                                         img_p[4])))
-    text = torch.addcmul(text, txt_p[5], mlp_forward(block.txt_mlp, _modulate(text, block.txt_norm2.eps, txt_p[3],
-                                                                       txt_p[4])))
+    img_mlp_fp8 = mlp_takes_prequantized(block.img_mlp, image)
+    txt_mlp_fp8 = mlp_takes_prequantized(block.txt_mlp, text)
+    image = torch.addcmul(image, img_p[5], mlp_forward(
+        block.img_mlp, _stream_in(image, block.img_norm2, img_mod, 3, img_p, selector, img_mlp_fp8)))
+    text = torch.addcmul(text, txt_p[5], mlp_forward(
+        block.txt_mlp, _stream_in(text, block.txt_norm2, txt_mod, 3, txt_p, None, txt_mlp_fp8)))
     return image, text

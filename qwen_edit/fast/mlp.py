@@ -8,7 +8,8 @@ When ``net[2]`` is a row-wise :class:`...fp8.ScaledMMLinear` on a CUDA GPU, the 
 (:func:`...fp8.gelu_quant.gelu_quantize_rowwise`): ``net[0]``'s bias, the GELU and the per-token
 fp8 quantization in one read of the GEMM output, instead of Inductor's two-pass reduction kernel.
 Same math as the plain path (docs/experiments/forward.md has the measurement). Elsewhere (CPU,
-emulated fp8, other backends) the plain path runs; it computes the same thing.
+emulated fp8, other backends) the plain path runs; it computes the same thing. The input may arrive
+already quantized (:class:`.prequant.Prequantized`, when :func:`mlp_takes_prequantized`).
 
 ``FUSED_GELU_QUANT`` (environment ``QWEN_EDIT_FUSED_GELU_QUANT=0`` turns it off) exists so the
 benchmark can time both paths in one run.
@@ -22,8 +23,9 @@ import torch
 
 from ...fp8.gelu_quant import gelu_quant_problem, gelu_quantize_rowwise
 from ...fp8.linear import ScaledMMLinear
+from .prequant import Prequantized, takes_prequantized
 
-__all__ = ["FUSED_GELU_QUANT", "mlp_forward", "uses_fused_gelu_quant"]
+__all__ = ["FUSED_GELU_QUANT", "mlp_forward", "mlp_takes_prequantized", "uses_fused_gelu_quant"]
 
 FUSED_GELU_QUANT = os.environ.get("QWEN_EDIT_FUSED_GELU_QUANT", "1") != "0"
 
@@ -36,17 +38,26 @@ def uses_fused_gelu_quant(mlp: torch.nn.Module, x: torch.Tensor) -> bool:
             and gelu_quant_problem(x.device, down.in_features) is None)
 
 
-def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x: (B, S, D) -> (B, S, D), what ``mlp(x)`` computes."""
-    if not uses_fused_gelu_quant(mlp, x):
+def mlp_takes_prequantized(mlp: torch.nn.Module, x: torch.Tensor) -> bool:
+    """True when :func:`mlp_forward` can take its input (like ``x``, (B, S, D)) as a :class:`.prequant.Prequantized`."""
+    return uses_fused_gelu_quant(mlp, x) and takes_prequantized(mlp.net[0].proj)
+
+
+def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor | Prequantized) -> torch.Tensor:
+    """x: (B, S, D), or its row-wise fp8 form when :func:`mlp_takes_prequantized`; returns what ``mlp(x)`` does."""
+    if not isinstance(x, Prequantized) and not uses_fused_gelu_quant(mlp, x):
         return mlp.net[2](mlp.net[0](x))
     up, down = mlp.net[0].proj, mlp.net[2]
-    x2d = x.reshape(-1, x.shape[-1])
-    if isinstance(up, ScaledMMLinear):  # its bias goes into the fused kernel instead of its own pass
-        hidden, up_bias = up.gemm(*up.quantize_input(x2d), x2d.dtype), up.bias
+    if isinstance(x, Prequantized):
+        hidden, up_bias, batch, tokens = up.gemm(x.x8, x.scale, torch.bfloat16), up.bias, x.batch, x.tokens
     else:
-        hidden, up_bias = up(x2d), None
-    out = down.gemm(*gelu_quantize_rowwise(hidden, up_bias), x2d.dtype)
+        batch, tokens = x.shape[0], x.shape[1]
+        x2d = x.reshape(-1, x.shape[-1])
+        if isinstance(up, ScaledMMLinear):  # its bias goes into the fused kernel instead of its own pass
+            hidden, up_bias = up.gemm(*up.quantize_input(x2d), x2d.dtype), up.bias
+        else:
+            hidden, up_bias = up(x2d), None
+    out = down.gemm(*gelu_quantize_rowwise(hidden, up_bias), torch.bfloat16)
     if down.bias is not None:
         out = out + down.bias.to(out.dtype)
-    return out.reshape(*x.shape[:-1], down.out_features)
+    return out.reshape(batch, tokens, down.out_features)

@@ -151,3 +151,35 @@ def test_fused_fp8_compiled(dit, inputs, backend):
     tol = FP8_TOL if backend == "sdpa" else FP8_TOL + 1e-2
     assert rel_err(out, ref) < tol
     assert rel_err(both[:1], out) < 1e-2
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
+def test_fused_norm_and_gelu_quantize_kernels_are_as_accurate_as_inductor(dit, inputs, zero_cond_t):
+    """The fastest preset's layout (row-wise everywhere, fast accumulation), compiled, with the two fused kernels
+    (LayerNorm + modulate + quantize, bias + GELU + quantize) on and off: the same error against DiffSynth bf16."""
+    from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
+    from qwen_edit_hopper.qwen_edit.fast import prequant
+
+    x, prompts = inputs
+    ref = _diffsynth(dit, x, prompts[0], zero_cond_t=zero_cond_t)
+    model = copy.deepcopy(dit)
+    quantize_linears(model, Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True))
+    block = model.transformer_blocks[0]
+    assert prequant.takes_prequantized(block.attn.to_q) and prequant.takes_prequantized(block.attn.add_k_proj)
+    probe = torch.zeros(1, 1, WIDE.dim, device="cuda", dtype=torch.bfloat16)
+    assert fast_mlp.mlp_takes_prequantized(block.img_mlp, probe)
+    errors = {}
+    try:
+        for fused in (False, True):
+            prequant.FUSED_NORM_QUANT = fast_mlp.FUSED_GELU_QUANT = fused
+            torch._dynamo.reset()
+            compile_blocks(model)
+            out = fast_model_fn(model, **x, **prompts[0], zero_cond_t=zero_cond_t)
+            errors[fused] = rel_err(out, ref)
+            uncompile_blocks(model)
+    finally:
+        prequant.FUSED_NORM_QUANT = fast_mlp.FUSED_GELU_QUANT = True
+        torch._dynamo.reset()
+    print(f"\nvs DiffSynth bf16: Inductor quantization {errors[False]:.3e}, fused kernels {errors[True]:.3e}")
+    assert errors[False] < FP8_TOL
+    assert errors[True] < 1.05 * errors[False] + 1e-3

@@ -316,3 +316,19 @@ def test_mlp_with_fused_kernel_is_as_accurate_as_the_plain_path_compiled():
     print(f"\nMLP vs fp32: fused {err_fused:.3e}, plain {err_plain:.3e}, between {relative_error(fused, plain):.3e}")
     assert err_plain < 6e-2
     assert err_fused < 1.05 * err_plain + 1e-3
+
+
+@pytest.mark.parametrize("mod_rows,with_selector", [(1, False), (2, False), (2, True)])
+def test_fused_modulate_quantize_kernel_matches_its_reference(mod_rows, with_selector):
+    from qwen_edit_hopper.fp8.norm_quant import modulate_quantize_rowwise, reference_modulate_quantize
+
+    b, s, d = 2, 4096, 3072
+    x = (torch.randn(b, s, d, device=DEV) * torch.logspace(-1, 1, s, device=DEV)[:, None] + 0.5).bfloat16()
+    mod = torch.randn(mod_rows * (2 if with_selector else 1), 6 * d, device=DEV).bfloat16()
+    selector = (torch.arange(s, device=DEV) < s // 2).reshape(1, s, 1) if with_selector else None
+    for first in (0, 3):
+        x8, scale = modulate_quantize_rowwise(x, 1e-6, mod, 6, first, first + 1, selector)
+        r8, rs = reference_modulate_quantize(x, 1e-6, mod, 6, first, first + 1, selector)
+        assert x8.dtype == FP8_DTYPE and x8.shape == (b * s, d) and scale.shape == (b * s, 1)
+        torch.testing.assert_close(scale, rs, rtol=1e-2, atol=0)
+        assert (x8.float() == r8.float()).float().mean() > 0.97
