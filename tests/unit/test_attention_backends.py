@@ -5,19 +5,13 @@ because the variable is read when kernels are defined). Triton 3.6's interpreter
 that the kernel works around only in interpreter mode (``INTERPRET`` constexpr): bf16 ``tl.dot``
 multiplies bit patterns, fp32->bf16 casts truncate, and fp32->e4m3 casts mis-round when rounding
 carries into the next binade; with numpy >= 2.4 it also fails on ``range(runtime_scalar)``, which the
-subprocess patches (``_INTERPRETER_SHIM``). int8 and e4m3 ``tl.dot`` run correctly there, so every
+subprocess patches (tests/triton_interpreter.py). int8 and e4m3 ``tl.dot`` run correctly there, so every
 format is checked against the plain-torch mirror in :mod:`fp8.attention.reference`. What the
 interpreter cannot check (inline PTX of ``fast_math``, wgmma/TMA code generation) is covered by
 tests/gpu/test_attention_fp8.py.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,8 +28,7 @@ from qwen_edit_hopper.fp8.attention.reference import (
     reference_quantized_attention,
 )
 from qwen_edit_hopper.fp8.quant import relative_error
-
-ROOT = Path(__file__).resolve().parents[2]
+from triton_interpreter import run_probe
 
 
 def _qkv(b=1, h=2, s=96, d=64, dtype=torch.bfloat16, seed=0, k_bias=0.0):
@@ -244,22 +237,8 @@ def test_int8_is_more_accurate_than_e4m3_on_gaussian_inputs():
 # The Triton kernels under the interpreter
 # --------------------------------------------------------------------------------------------------
 
-_INTERPRETER_SHIM = """
-import numpy as np
-from triton.runtime import interpreter as _ti
-_orig = _ti._patch_lang_tensor
-def _patched(tensor, scope):
-    _orig(tensor, scope)
-    # numpy >= 2.4 refuses int() on 1-element 1-d arrays, which Triton 3.6's interpreter does for range().
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-_ti._patch_lang_tensor = _patched
-"""
-
 _INTERPRETER_PROBE = """
-import json, sys, torch
-sys.path.insert(0, {scripts!r})
-from pack import load_pack
-load_pack()
+import json, torch
 from qwen_edit_hopper.fp8.attention import triton_fp8 as tf
 from qwen_edit_hopper.fp8.attention.reference import reference_attention, reference_quantized_attention
 from qwen_edit_hopper.fp8.quant import relative_error
@@ -304,13 +283,7 @@ _CASES = [
 
 @pytest.mark.slow
 def test_triton_kernels_match_the_mirror_under_the_interpreter():
-    code = _INTERPRETER_SHIM + _INTERPRETER_PROBE.format(scripts=str(ROOT / "scripts"), cases=_CASES)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, check=False
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    rows = run_probe(_INTERPRETER_PROBE.format(cases=_CASES))
     assert len(rows) == len(_CASES)
     for row in rows:
         where = f"{row['label']} {row['shape']}: {row}"

@@ -9,20 +9,13 @@ itself is in tests/gpu/test_fp8_backends.py.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from qwen_edit_hopper.fp8.gelu_quant import gelu_quant_problem, gelu_quantize_rowwise, reference_gelu_quantize
 from qwen_edit_hopper.fp8.linear import ScaledMMLinear
 from qwen_edit_hopper.fp8.quant import dequantize, quantize_rowwise, relative_error
 from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
-
-ROOT = Path(__file__).resolve().parents[2]
+from triton_interpreter import run_probe
 
 
 def _approximate_gelu_mlp(dim: int, seed: int = 0) -> torch.nn.Module:
@@ -64,13 +57,9 @@ def test_mlp_forward_takes_the_plain_path_on_cpu_and_equals_the_module():
 
 
 _INTERPRETER_PROBE = """
-import json, sys, torch
-sys.path.insert(0, {scripts!r})
-from pack import load_pack
-load_pack()
+import json, torch
 from qwen_edit_hopper.fp8 import gelu_quant as gq
 from qwen_edit_hopper.fp8.quant import dequantize, relative_error
-gq.wrap_triton = lambda kernel: kernel  # torch's wrapper rejects the interpreter's function objects
 
 def truncate_bf16(x):  # the interpreter's fp32 -> bf16 cast
     return (x.float().view(torch.int32) & -65536).view(torch.float32)
@@ -96,12 +85,7 @@ print(json.dumps(rows))
 
 @pytest.mark.slow
 def test_kernel_matches_the_reference_under_the_interpreter():
-    code = _INTERPRETER_PROBE.format(scripts=str(ROOT / "scripts"))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    rows = run_probe(_INTERPRETER_PROBE, ('qwen_edit_hopper.fp8.gelu_quant',))
     assert len(rows) == 3
     for row in rows:
         assert row["finite"], row

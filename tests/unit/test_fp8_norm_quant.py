@@ -8,20 +8,13 @@ truncating bf16 casts; the GPU check of the rounding itself is in tests/gpu/test
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from qwen_edit_hopper.fp8.norm_quant import modulate_quantize_rowwise, norm_quant_problem, reference_modulate_quantize
 from qwen_edit_hopper.fp8.quant import dequantize, quantize_rowwise, relative_error
 from qwen_edit_hopper.qwen_edit.fast.block import _mod_params
 from qwen_edit_hopper.qwen_edit.fast.prequant import modulated_input
-
-ROOT = Path(__file__).resolve().parents[2]
+from triton_interpreter import run_probe
 
 
 def test_kernel_refuses_cpu_tensors_with_the_reason():
@@ -52,13 +45,9 @@ def test_reference_equals_the_block_modulation(with_selector, mod_rows):
 
 
 _INTERPRETER_PROBE = """
-import json, sys, torch
-sys.path.insert(0, {scripts!r})
-from pack import load_pack
-load_pack()
+import json, torch
 from qwen_edit_hopper.fp8 import norm_quant as nq
 from qwen_edit_hopper.fp8.quant import dequantize, relative_error
-nq.wrap_triton = lambda kernel: kernel  # torch's wrapper rejects the interpreter's function objects
 
 def truncate_bf16(x):  # the interpreter's fp32 -> bf16 cast
     return (x.float().view(torch.int32) & -65536).view(torch.float32)
@@ -93,12 +82,7 @@ print(json.dumps(rows))
 
 @pytest.mark.slow
 def test_kernel_matches_the_reference_under_the_interpreter():
-    code = _INTERPRETER_PROBE.format(scripts=str(ROOT / "scripts"))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    rows = run_probe(_INTERPRETER_PROBE, ('qwen_edit_hopper.fp8.norm_quant',))
     assert len(rows) == 5
     for row in rows:
         assert row["finite"], row
