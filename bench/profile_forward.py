@@ -93,7 +93,7 @@ def main() -> int:
     variants = [
         ("fastest preset, Inductor quantization", fast_accum, False, False),
         ("fastest preset, fused GELU+quantize kernel", fast_accum, True, False),
-        ("fastest preset, fused GELU+quantize and LN+modulate+quantize kernels", fast_accum, True, True),
+        ("fastest preset, fused GELU+quantize and residual+LN+modulate+quantize kernels", fast_accum, True, True),
     ]
     from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
     from qwen_edit_hopper.qwen_edit.fast import prequant

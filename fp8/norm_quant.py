@@ -19,6 +19,10 @@ Modulation layout (what a DiT's modulation GEMM produces): ``mod`` [R, C] bf16 w
 with a ``selector`` [tokens] bool, ``b % sets`` where the selector is True and ``sets + b % sets``
 where it is False (then ``R == 2 * sets``).
 
+:func:`residual_modulate_quantize_rowwise` also applies the gated residual update that precedes the
+norm (``x + gate * (y + bias)``, ``y`` a linear's output) and returns the updated stream: Inductor had
+fused that update into its norm kernel, so without it the fused path would add a pass.
+
 Limits: CUDA tensors only, bf16 ``x`` with contiguous rows, D <= :data:`.gelu_quant.MAX_COLUMNS`. Callers check
 :func:`norm_quant_problem` and use the plain-torch path when it returns a reason.
 """
@@ -30,9 +34,18 @@ import torch
 from .gelu_quant import gelu_quant_problem
 from .quant import E4M3_MAX, EPS, FP8_DTYPE, quantize_rowwise
 
-__all__ = ["OP_NAME", "modulate_quantize_rowwise", "norm_quant_problem", "reference_modulate_quantize"]
+__all__ = [
+    "OP_NAME",
+    "RESIDUAL_OP_NAME",
+    "modulate_quantize_rowwise",
+    "norm_quant_problem",
+    "reference_modulate_quantize",
+    "reference_residual_modulate_quantize",
+    "residual_modulate_quantize_rowwise",
+]
 
 OP_NAME = "qwen_edit_hopper::modulate_quantize_rowwise"
+RESIDUAL_OP_NAME = "qwen_edit_hopper::residual_modulate_quantize_rowwise"
 
 DEFAULT_WARPS = 4
 """Warps per row of 3072 (bench/gelu_quant_bench.py measures 4 / 8 / 16)."""
@@ -75,6 +88,23 @@ def reference_modulate_quantize(x: torch.Tensor, eps: float, mod: torch.Tensor, 
     return quantize_rowwise(modulated)
 
 
+def reference_residual_modulate_quantize(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                                         mod: torch.Tensor, n_params: int, gate_index: int, shift_index: int,
+                                         scale_index: int, selector: torch.Tensor | None = None
+                                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the residual kernel computes, in plain torch: ``x + gate * (y + bias)``, then as above.
+
+    x: [B, S, D] bf16 (the residual stream); y: [B * S, D] (a linear's output before its bias); bias: [D] or
+    None. Returns (new residual [B, S, D] bf16, x8 [B * S, D] float8_e4m3fn, scale [B * S, 1] float32).
+    """
+    b, s, d = x.shape
+    sets = mod.shape[0] // 2 if selector is not None else mod.shape[0]
+    gate = mod.unflatten(-1, (n_params, d))[_modulation_rows(b * s, s, sets, selector, x.device)][:, gate_index]
+    update = y.float() if bias is None else (y.float() + bias.float()).to(x.dtype).float()
+    new = (x.reshape(-1, d).float() + gate.float() * update).to(x.dtype).reshape(b, s, d)
+    return (new, *reference_modulate_quantize(new, eps, mod, n_params, shift_index, scale_index, selector))
+
+
 if triton is not None:
     from .attention.triton_fp8 import _to_e4m3, interpreter_active
 
@@ -82,9 +112,10 @@ if triton is not None:
     _E4M3_MAX = tl.constexpr(E4M3_MAX)
 
     @triton.jit
-    def _modulate_quant_kernel(x_ptr, mod_ptr, sel_ptr, out_ptr, scale_ptr, n_cols, tokens, sets, stride_x,
-                               stride_mod, shift_off, scale_off, eps,
-                               HAS_SELECTOR: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
+    def _modulate_quant_kernel(x_ptr, mod_ptr, sel_ptr, out_ptr, scale_ptr, y_ptr, bias_ptr, new_ptr, n_cols, tokens,
+                               sets, stride_x, stride_y, stride_mod, gate_off, shift_off, scale_off, eps,
+                               HAS_SELECTOR: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,  # noqa: N803
+                               BLOCK: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
         row = tl.program_id(0).to(tl.int64)
         token = row % tokens
         prow = (row // tokens) % sets
@@ -93,13 +124,23 @@ if triton is not None:
             prow = tl.where(keep != 0, prow, prow + sets)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
+        mod_row = mod_ptr + prow * stride_mod + cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if RESIDUAL:  # x <- x + gate * (y + bias), written back as the new residual stream
+            update = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                update = (update + tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(tl.bfloat16)
+                update = update.to(tl.float32)
+            gate = tl.load(mod_row + gate_off, mask=mask, other=0.0).to(tl.float32)
+            x = (x + gate * update).to(tl.bfloat16)
+            tl.store(new_ptr + row * n_cols + cols, x, mask=mask)
+            x = x.to(tl.float32)
         mean = tl.sum(x, axis=0) / n_cols
         centered = tl.where(mask, x - mean, 0.0)
         var = tl.sum(centered * centered, axis=0) / n_cols
         ln = (centered * tl.rsqrt(var + eps)).to(tl.bfloat16).to(tl.float32)
-        shift = tl.load(mod_ptr + prow * stride_mod + shift_off + cols, mask=mask, other=0.0).to(tl.float32)
-        scale_m = tl.load(mod_ptr + prow * stride_mod + scale_off + cols, mask=mask, other=0.0).to(tl.float32)
+        shift = tl.load(mod_row + shift_off, mask=mask, other=0.0).to(tl.float32)
+        scale_m = tl.load(mod_row + scale_off, mask=mask, other=0.0).to(tl.float32)
         m = (ln * (1.0 + scale_m) + shift).to(tl.bfloat16).to(tl.float32)
         amax = tl.max(tl.abs(m), axis=0)
         qscale = tl.maximum(amax, _EPS) / _E4M3_MAX
@@ -107,21 +148,38 @@ if triton is not None:
         tl.store(out_ptr + row * n_cols + cols, _to_e4m3(q, INTERPRET), mask=mask)
         tl.store(scale_ptr + row, qscale)
 
-    @triton_op(OP_NAME, mutates_args={})
-    def _modulate_quantize_op(x2d: torch.Tensor, tokens: int, eps: float, mod: torch.Tensor, n_params: int,
-                              shift_index: int, scale_index: int, selector: torch.Tensor | None,
-                              num_warps: int = DEFAULT_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    def _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, residual, num_warps):
+        """residual: None or (y2d, bias or None, gate_index, new2d). Returns (x8, scale)."""
         rows, cols = x2d.shape
         out = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x2d.device)
         scale = torch.empty((rows, 1), dtype=torch.float32, device=x2d.device)
         sets = mod.shape[0] // 2 if selector is not None else mod.shape[0]
+        y2d, bias, gate_index, new2d = residual if residual is not None else (x2d, None, 0, x2d)
         wrap_triton(_modulate_quant_kernel)[(rows,)](
-            x2d, mod, selector if selector is not None else x2d, out, scale, cols, tokens, sets, x2d.stride(0),
-            mod.stride(0), shift_index * cols, scale_index * cols, eps,
-            HAS_SELECTOR=selector is not None, BLOCK=triton.next_power_of_2(cols), INTERPRET=interpreter_active(),
-            num_warps=num_warps,
+            x2d, mod, selector if selector is not None else x2d, out, scale, y2d, bias if bias is not None else x2d,
+            new2d, cols, tokens, sets, x2d.stride(0), y2d.stride(0), mod.stride(0), gate_index * cols,
+            shift_index * cols, scale_index * cols, eps,
+            HAS_SELECTOR=selector is not None, RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+            BLOCK=triton.next_power_of_2(cols), INTERPRET=interpreter_active(), num_warps=num_warps,
         )
         return out, scale
+
+    @triton_op(OP_NAME, mutates_args={})
+    def _modulate_quantize_op(x2d: torch.Tensor, tokens: int, eps: float, mod: torch.Tensor, n_params: int,
+                              shift_index: int, scale_index: int, selector: torch.Tensor | None,
+                              num_warps: int = DEFAULT_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, None, num_warps)
+
+    @triton_op(RESIDUAL_OP_NAME, mutates_args={})
+    def _residual_modulate_quantize_op(x2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, tokens: int,
+                                       eps: float, mod: torch.Tensor, n_params: int, gate_index: int,
+                                       shift_index: int, scale_index: int, selector: torch.Tensor | None,
+                                       num_warps: int = DEFAULT_WARPS
+                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        new2d = torch.empty_like(x2d)
+        out, scale = _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector,
+                             (y2d, bias, gate_index, new2d), num_warps)
+        return new2d, out, scale
 
 
 def modulate_quantize_rowwise(x: torch.Tensor, eps: float, mod: torch.Tensor, n_params: int, shift_index: int,
@@ -142,3 +200,27 @@ def modulate_quantize_rowwise(x: torch.Tensor, eps: float, mod: torch.Tensor, n_
     sel = None if selector is None else selector.reshape(-1).to(torch.uint8)
     return _modulate_quantize_op(x.reshape(-1, x.shape[-1]).contiguous(), x.shape[1], float(eps), mod, n_params,
                                  shift_index, scale_index, sel)
+
+
+def residual_modulate_quantize_rowwise(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                                       mod: torch.Tensor, n_params: int, gate_index: int, shift_index: int,
+                                       scale_index: int, selector: torch.Tensor | None = None
+                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused gated residual update, then :func:`modulate_quantize_rowwise` of the updated stream.
+
+    ``new = x + gate * (y + bias)`` (bf16 roundings as eager's bias add and ``addcmul``; ``gate`` the
+    modulation vector at ``gate_index``, chosen per token as shift and scale are), then the quantized
+    ``LayerNorm(new) * (1 + scale) + shift``. x: [B, S, D] bf16 CUDA; y: [B * S, D] bf16 with contiguous rows;
+    bias: [D] or None. Returns (new [B, S, D] bf16, x8 [B * S, D] float8_e4m3fn, scale [B * S, 1] float32).
+    """
+    problem = norm_quant_problem(x.device, x.shape[-1])
+    if problem is not None:
+        raise ValueError(problem)
+    if x.dtype != torch.bfloat16 or x.dim() != 3 or y.dtype != torch.bfloat16 or y.dim() != 2 or y.stride(-1) != 1:
+        raise ValueError(f"residual_modulate_quantize_rowwise takes x [B, S, D] and y [B * S, D] bf16 with contiguous "
+                         f"rows, got x {x.dtype} {tuple(x.shape)}, y {y.dtype} {tuple(y.shape)}")
+    sel = None if selector is None else selector.reshape(-1).to(torch.uint8)
+    new, x8, scale = _residual_modulate_quantize_op(
+        x.reshape(-1, x.shape[-1]).contiguous(), y, bias.to(y.dtype).contiguous() if bias is not None else None,
+        x.shape[1], float(eps), mod, n_params, gate_index, shift_index, scale_index, sel)
+    return new.reshape(x.shape), x8, scale

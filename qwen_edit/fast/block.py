@@ -14,7 +14,8 @@ for a batch, written so that ``torch.compile`` turns the elementwise work into f
 * MLP through :func:`.mlp.mlp_forward`: with a row-wise fp8 second linear on a GPU, bias + GELU +
   quantization of the hidden state in one Triton kernel.
 * with row-wise fp8 consumers on a GPU, LayerNorm + modulation + quantization of each stream's
-  attention and MLP input in one Triton kernel (:mod:`.prequant`), shared by Q/K/V.
+  attention and MLP input in one Triton kernel (:mod:`.prequant`), shared by Q/K/V; before the MLP the
+  same kernel also applies the gated residual update of the attention output.
 * attention through :func:`...fp8.attention.attention` (the user's backend) on the joint sequence
   ``[image, text]``; right-padded text is handled per sample (valid keys only) or by an SDPA key mask.
 
@@ -29,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...fp8.attention import attention
 from .mlp import mlp_forward, mlp_takes_prequantized
-from .prequant import Prequantized, apply_linear, modulated_input, takes_prequantized
+from .prequant import Prequantized, apply_linear, modulated_input, residual_then_modulated, takes_prequantized
 from .qkv import FUSED_IMAGE, FUSED_TEXT
 
 MASK_BACKENDS: dict[str, SDPBackend | None] = {
@@ -116,13 +117,6 @@ def _qkv(attn: torch.nn.Module, layers: tuple[torch.nn.Module, ...], x: torch.Te
     if len(layers) == 1:
         return apply_linear(layers[0], x).unflatten(-1, (3, heads, head_dim)).unbind(2)
     return tuple(apply_linear(p, x).unflatten(-1, (heads, head_dim)) for p in layers)
-
-
-def _stream_in(x: torch.Tensor, norm: torch.nn.Module, mod: torch.Tensor, first: int, params: tuple,
-               selector: torch.Tensor | None, consumers_take_fp8: bool) -> torch.Tensor | Prequantized:
-    """The modulated input of one stream's attention (``first`` 0) or MLP (``first`` 3)."""
-    return modulated_input(x, norm.eps, mod, first, first + 1, params[first], params[first + 1], selector,
-                           consumers_take_fp8)
 
 
 def length_carriers(lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -218,8 +212,10 @@ def fast_block(
     img_qkv, txt_qkv = _qkv_layers(attn, True), _qkv_layers(attn, False)
     img_fp8 = all(takes_prequantized(p) for p in img_qkv)
     txt_fp8 = all(takes_prequantized(p) for p in txt_qkv)
-    q_i, k_i, v_i = _qkv(attn, img_qkv, _stream_in(image, block.img_norm1, img_mod, 0, img_p, selector, img_fp8))
-    q_t, k_t, v_t = _qkv(attn, txt_qkv, _stream_in(text, block.txt_norm1, txt_mod, 0, txt_p, None, txt_fp8))
+    q_i, k_i, v_i = _qkv(attn, img_qkv, modulated_input(image, block.img_norm1.eps, img_mod, 0, 1, img_p[0], img_p[1],
+                                                        selector, img_fp8))
+    q_t, k_t, v_t = _qkv(attn, txt_qkv, modulated_input(text, block.txt_norm1.eps, txt_mod, 0, 1, txt_p[0], txt_p[1],
+                                                        None, txt_fp8))
     cos_i, sin_i, cos_t, sin_t = cos[:si], sin[:si], cos[si:], sin[si:]
     q = torch.cat([qk_norm_rope(q_i, attn.norm_q.weight, attn.norm_q.eps, cos_i, sin_i),
                    qk_norm_rope(q_t, attn.norm_added_q.weight, attn.norm_added_q.eps, cos_t, sin_t)], dim=1)
@@ -228,12 +224,12 @@ def fast_block(
     v = torch.cat([v_i, v_t], dim=1)
     out = joint_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), si, txt_lens, key_mask, backend)
 
-    image = torch.addcmul(image, img_p[2], attn.to_out[0](out[:, :si]))
-    text = torch.addcmul(text, txt_p[2], attn.to_add_out(out[:, si:]))
-    img_mlp_fp8 = mlp_takes_prequantized(block.img_mlp, image)
-    txt_mlp_fp8 = mlp_takes_prequantized(block.txt_mlp, text)
-    image = torch.addcmul(image, img_p[5], mlp_forward(
-        block.img_mlp, _stream_in(image, block.img_norm2, img_mod, 3, img_p, selector, img_mlp_fp8)))
-    text = torch.addcmul(text, txt_p[5], mlp_forward(
-        block.txt_mlp, _stream_in(text, block.txt_norm2, txt_mod, 3, txt_p, None, txt_mlp_fp8)))
+    image, img_in = residual_then_modulated(image, img_p[2], attn.to_out[0], out[:, :si], block.img_norm2.eps,
+                                            img_mod, (2, 3, 4), img_p[3], img_p[4], selector,
+                                            mlp_takes_prequantized(block.img_mlp, image))
+    text, txt_in = residual_then_modulated(text, txt_p[2], attn.to_add_out, out[:, si:], block.txt_norm2.eps,
+                                           txt_mod, (2, 3, 4), txt_p[3], txt_p[4], None,
+                                           mlp_takes_prequantized(block.txt_mlp, text))
+    image = torch.addcmul(image, img_p[5], mlp_forward(block.img_mlp, img_in))
+    text = torch.addcmul(text, txt_p[5], mlp_forward(block.txt_mlp, txt_in))
     return image, text

@@ -22,8 +22,7 @@ import os
 import torch
 
 from ...fp8.gelu_quant import gelu_quant_problem, gelu_quantize_rowwise
-from ...fp8.linear import ScaledMMLinear
-from .prequant import Prequantized, takes_prequantized
+from .prequant import Prequantized, takes_prequantized, unbiased_output
 
 __all__ = ["FUSED_GELU_QUANT", "mlp_forward", "mlp_takes_prequantized", "uses_fused_gelu_quant"]
 
@@ -33,8 +32,7 @@ FUSED_GELU_QUANT = os.environ.get("QWEN_EDIT_FUSED_GELU_QUANT", "1") != "0"
 def uses_fused_gelu_quant(mlp: torch.nn.Module, x: torch.Tensor) -> bool:
     """True when :func:`mlp_forward` takes the fused kernel for this MLP and input (B, S, D)."""
     down = mlp.net[2]
-    return (FUSED_GELU_QUANT and isinstance(down, ScaledMMLinear) and down.granularity == "rowwise"
-            and not down.emulate and x.dtype == torch.bfloat16
+    return (FUSED_GELU_QUANT and takes_prequantized(down) and x.dtype == torch.bfloat16
             and gelu_quant_problem(x.device, down.in_features) is None)
 
 
@@ -52,11 +50,7 @@ def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor | Prequantized) -> torch.T
         hidden, up_bias, batch, tokens = up.gemm(x.x8, x.scale, torch.bfloat16), up.bias, x.batch, x.tokens
     else:
         batch, tokens = x.shape[0], x.shape[1]
-        x2d = x.reshape(-1, x.shape[-1])
-        if isinstance(up, ScaledMMLinear):  # its bias goes into the fused kernel instead of its own pass
-            hidden, up_bias = up.gemm(*up.quantize_input(x2d), x2d.dtype), up.bias
-        else:
-            hidden, up_bias = up(x2d), None
+        hidden, up_bias = unbiased_output(up, x.reshape(-1, x.shape[-1]))  # the bias goes into the fused kernel
     out = down.gemm(*gelu_quantize_rowwise(hidden, up_bias), torch.bfloat16)
     if down.bias is not None:
         out = out + down.bias.to(out.dtype)

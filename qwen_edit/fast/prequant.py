@@ -21,9 +21,17 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from ...fp8.linear import ScaledMMLinear
-from ...fp8.norm_quant import modulate_quantize_rowwise, norm_quant_problem
+from ...fp8.norm_quant import modulate_quantize_rowwise, norm_quant_problem, residual_modulate_quantize_rowwise
 
-__all__ = ["FUSED_NORM_QUANT", "Prequantized", "apply_linear", "modulated_input", "takes_prequantized"]
+__all__ = [
+    "FUSED_NORM_QUANT",
+    "Prequantized",
+    "apply_linear",
+    "modulated_input",
+    "residual_then_modulated",
+    "takes_prequantized",
+    "unbiased_output",
+]
 
 FUSED_NORM_QUANT = os.environ.get("QWEN_EDIT_FUSED_NORM_QUANT", "1") != "0"
 
@@ -42,6 +50,11 @@ def takes_prequantized(layer: torch.nn.Module) -> bool:
     return isinstance(layer, ScaledMMLinear) and layer.granularity == "rowwise" and not layer.emulate
 
 
+def _fusable(consumers_take_fp8: bool, x: torch.Tensor) -> bool:
+    return (consumers_take_fp8 and FUSED_NORM_QUANT and x.dtype == torch.bfloat16
+            and norm_quant_problem(x.device, x.shape[-1]) is None)
+
+
 def modulated_input(x: torch.Tensor, eps: float, mod: torch.Tensor, shift_index: int, scale_index: int,
                     shift: torch.Tensor, scale: torch.Tensor, selector: torch.Tensor | None,
                     consumers_take_fp8: bool) -> torch.Tensor | Prequantized:
@@ -52,11 +65,35 @@ def modulated_input(x: torch.Tensor, eps: float, mod: torch.Tensor, shift_index:
     ``shift_index`` / ``scale_index``. ``consumers_take_fp8``: every layer that reads the result runs
     through :func:`apply_linear` / ``mlp.mlp_forward`` and can take a :class:`Prequantized` input.
     """
-    if (consumers_take_fp8 and FUSED_NORM_QUANT and x.dtype == torch.bfloat16
-            and norm_quant_problem(x.device, x.shape[-1]) is None):
+    if _fusable(consumers_take_fp8, x):
         x8, x_scale = modulate_quantize_rowwise(x, eps, mod, 6, shift_index, scale_index, selector)
         return Prequantized(x8, x_scale, x.shape[0], x.shape[1])
     return torch.addcmul(shift, F.layer_norm(x, (x.shape[-1],), eps=eps), 1 + scale)
+
+
+def residual_then_modulated(x: torch.Tensor, gate: torch.Tensor, layer: torch.nn.Module, layer_input: torch.Tensor,
+                            eps: float, mod: torch.Tensor, indices: tuple[int, int, int], shift: torch.Tensor,
+                            scale: torch.Tensor, selector: torch.Tensor | None, consumers_take_fp8: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor | Prequantized]:
+    """``x + gate * layer(layer_input)`` and :func:`modulated_input` of it, in one kernel where it can run.
+
+    x: (B, S, D) residual stream; layer_input: (B, S, K); indices: (gate, shift, scale) vector indices in
+    ``mod``. Returns (the new residual stream, the modulated input of the next consumers).
+    """
+    if _fusable(consumers_take_fp8, x):
+        update, bias = unbiased_output(layer, layer_input.reshape(-1, layer_input.shape[-1]))
+        new, x8, x_scale = residual_modulate_quantize_rowwise(x, update, bias, eps, mod, 6, *indices, selector)
+        return new, Prequantized(x8, x_scale, x.shape[0], x.shape[1])
+    new = torch.addcmul(x, gate, layer(layer_input))
+    return new, modulated_input(new, eps, mod, indices[1], indices[2], shift, scale, selector, consumers_take_fp8)
+
+
+def unbiased_output(layer: torch.nn.Module, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(layer(x2d) - bias, bias)`` computed without the bias pass where the layer is a row-wise fp8 GEMM
+    (a fused kernel adds the bias); ``(layer(x2d), None)`` otherwise. x2d: (M, K) -> (M, N)."""
+    if takes_prequantized(layer):
+        return layer.gemm(*layer.quantize_input(x2d), x2d.dtype), layer.bias
+    return layer(x2d), None
 
 
 def apply_linear(layer: torch.nn.Module, x: torch.Tensor | Prequantized) -> torch.Tensor:

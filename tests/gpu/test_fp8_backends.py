@@ -332,3 +332,21 @@ def test_fused_modulate_quantize_kernel_matches_its_reference(mod_rows, with_sel
         assert x8.dtype == FP8_DTYPE and x8.shape == (b * s, d) and scale.shape == (b * s, 1)
         torch.testing.assert_close(scale, rs, rtol=1e-2, atol=0)
         assert (x8.float() == r8.float()).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("with_selector", [False, True])
+def test_fused_residual_modulate_quantize_kernel_matches_its_reference(with_selector):
+    from qwen_edit_hopper.fp8.norm_quant import reference_residual_modulate_quantize, residual_modulate_quantize_rowwise
+
+    b, s, d = 2, 4096, 3072
+    x = (torch.randn(b, s, d, device=DEV) * 4).bfloat16()
+    y = torch.randn(b * s, d, device=DEV).bfloat16()
+    bias = torch.randn(d, device=DEV).bfloat16()
+    mod = torch.randn(2 if with_selector else 1, 6 * d, device=DEV).bfloat16()
+    selector = (torch.arange(s, device=DEV) < s // 2).reshape(1, s, 1) if with_selector else None
+    new, x8, scale = residual_modulate_quantize_rowwise(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector)
+    r_new, r8, rs = reference_residual_modulate_quantize(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector)
+    assert new.shape == x.shape and new.dtype == torch.bfloat16
+    assert (new != r_new).float().mean() < 1e-3  # fused multiply-add vs two roundings: rare last-bit flips
+    torch.testing.assert_close(scale, rs, rtol=1e-2, atol=0)
+    assert (x8.float() == r8.float()).float().mean() > 0.97

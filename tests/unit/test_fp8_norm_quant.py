@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qwen_edit_hopper.fp8.norm_quant import modulate_quantize_rowwise, norm_quant_problem, reference_modulate_quantize
+from qwen_edit_hopper.fp8.norm_quant import (
+    modulate_quantize_rowwise,
+    norm_quant_problem,
+    reference_modulate_quantize,
+    reference_residual_modulate_quantize,
+)
 from qwen_edit_hopper.fp8.quant import dequantize, quantize_rowwise, relative_error
 from qwen_edit_hopper.qwen_edit.fast.block import _mod_params
 from qwen_edit_hopper.qwen_edit.fast.prequant import modulated_input
@@ -42,6 +47,24 @@ def test_reference_equals_the_block_modulation(with_selector, mod_rows):
         _, want_scale = quantize_rowwise(plain.reshape(-1, d))
         assert relative_error(scale, want_scale) < 1e-2  # bf16 rounding of (1 + scale) in the eager path only
         assert relative_error(dequantize(x8, scale), plain.reshape(-1, d).float()) < 3e-2  # e4m3 rounding
+
+
+@pytest.mark.parametrize("with_selector", [False, True])
+def test_residual_reference_equals_the_block_update(with_selector):
+    """The residual variant's update is the block's addcmul(x, gate, y + bias) bit for bit, then the same norm."""
+    torch.manual_seed(1)
+    b, s, d = 2, 7, 32
+    x = torch.randn(b, s, d).bfloat16()
+    y = torch.randn(b * s, d).bfloat16()
+    bias = torch.randn(d).bfloat16()
+    selector = torch.tensor([True, False, True, True, False, True, True]).reshape(1, s, 1) if with_selector else None
+    mod = torch.randn(2 if with_selector else 1, 6 * d).bfloat16()
+    params = _mod_params(mod, d, selector)
+    want = torch.addcmul(x, params[2], (y + bias).reshape(b, s, d))
+    new, x8, scale = reference_residual_modulate_quantize(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector)
+    assert torch.equal(new, want)
+    r8, rs = reference_modulate_quantize(want, 1e-6, mod, 6, 3, 4, selector)
+    assert torch.equal(x8.float(), r8.float()) and torch.equal(scale, rs)
 
 
 _INTERPRETER_PROBE = """
@@ -76,6 +99,23 @@ for b, s, d, sets, with_sel, first in ((1, 5, 200, 1, False, 0), (2, 6, 128, 1, 
     rows.append(dict(case=[b, s, d, sets, with_sel, first], finite=bool(torch.isfinite(x8.float()).all()),
                      scale_err=relative_error(scale, rs), err=relative_error(dequantize(x8, scale), dequantize(r8, rs)),
                      same_codes=float((x8.float() == r8.float()).float().mean())))
+for b, s, d, sets, with_sel, with_bias in ((2, 6, 128, 1, False, True), (2, 9, 96, 2, True, False)):
+    x = (torch.randn(b, s, d, generator=g) * 2).bfloat16()
+    y = torch.randn(b * s, d, generator=g).bfloat16()
+    bias = torch.randn(d, generator=g).bfloat16() if with_bias else None
+    mod = torch.randn(sets * (2 if with_sel else 1), 6 * d, generator=g).bfloat16()
+    sel = (torch.arange(s) % 3 != 1) if with_sel else None
+    new, x8, scale = nq._residual_modulate_quantize_op(x.reshape(-1, d), y, bias, s, 1e-6, mod, 6, 2, 3, 4,
+                                                       None if sel is None else sel.to(torch.uint8))
+    rows_ = nq._modulation_rows(b * s, s, sets, sel, x.device)
+    gate = mod.unflatten(-1, (6, d))[rows_][:, 2].float()
+    update = y.float() if bias is None else truncate_bf16(y.float() + bias.float())
+    want_new = truncate_bf16(x.reshape(-1, d).float() + gate * update)
+    r8, rs = truncating_reference(want_new.reshape(b, s, d), 1e-6, mod, 3, sel)
+    rows.append(dict(case=[b, s, d, sets, with_sel, "residual"], finite=bool(torch.isfinite(x8.float()).all()),
+                     new_err=relative_error(new.float(), want_new),
+                     scale_err=relative_error(scale, rs), err=relative_error(dequantize(x8, scale), dequantize(r8, rs)),
+                     same_codes=float((x8.float() == r8.float()).float().mean())))
 print(json.dumps(rows))
 """
 
@@ -83,9 +123,10 @@ print(json.dumps(rows))
 @pytest.mark.slow
 def test_kernel_matches_the_reference_under_the_interpreter():
     rows = run_probe(_INTERPRETER_PROBE, ('qwen_edit_hopper.fp8.norm_quant',))
-    assert len(rows) == 5
+    assert len(rows) == 7
     for row in rows:
         assert row["finite"], row
+        assert row.get("new_err", 0.0) == 0.0, row  # the residual update is exact (same roundings)
         # a wrong modulation row (selector, sample) or a wrong scale gives errors of order 1; what remains are
         # exact e4m3 ties (the kernel multiplies by 1 / scale) and sum-order differences in mean / variance
         assert row["scale_err"] < 1e-2, row
