@@ -15,7 +15,7 @@ Typical use::
 
 Modules: :mod:`.config` (Fp8Config, TeRecipeConfig), :mod:`.presets`,
 :mod:`.capability`, :mod:`.quant` (quantization math), :mod:`.linear`
-(ScaledMMLinear, WeightOnlyLinear), :mod:`.gelu_quant` (fused GELU + quantize kernel),
+(ScaledMMLinear, WeightOnlyLinear), :mod:`.gelu_quant` / :mod:`.norm_quant` (fused quantization kernels),
 :mod:`.te_backend` (TeLinear, calibration),
 :mod:`.swap` (quantize_linears), :mod:`.numerics`, :mod:`.diagnose`.
 """
