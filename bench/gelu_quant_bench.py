@@ -22,6 +22,17 @@ import harness_core as hc
 from pack import load_pack
 
 
+def _time_candidates(candidates: dict, device: torch.device, bytes_moved: int, ref8: torch.Tensor) -> dict:
+    """Time each ``label -> fn`` (fn returns (e4m3 codes, scales)) and compare its codes with ``ref8``."""
+    out = {}
+    for label, fn in candidates.items():
+        ms = hc.time_calls(fn, device, warmup=5, reps=50)["ms"]
+        codes, _ = fn()
+        out[label] = {"ms": round(ms, 4), "GB/s": round(bytes_moved / ms / 1e6, 1),
+                      "same_codes": float((codes.float() == ref8.float()).float().mean())}
+    return out
+
+
 def measure(device: torch.device, rows: int = 8192, cols: int = 12288, warps: tuple[int, ...] = ()) -> dict:
     """{label: {"ms", "GB/s", "same_codes"}} for Inductor and the kernel (default warps, or each of ``warps``)."""
     from qwen_edit_hopper.fp8 import gelu_quant as gq
@@ -40,13 +51,7 @@ def measure(device: torch.device, rows: int = 8192, cols: int = 12288, warps: tu
     candidates = {"inductor": lambda: compiled(y, bias)}
     for w in warps or (gq.DEFAULT_WARPS,):
         candidates[f"fused kernel, {w} warps"] = lambda w=w: gq._gelu_quantize_op(y, bias, w)
-    out = {}
-    for label, fn in candidates.items():
-        ms = hc.time_calls(fn, device, warmup=5, reps=50)["ms"]
-        h8, _ = fn()
-        out[label] = {"ms": round(ms, 4), "GB/s": round(bytes_moved / ms / 1e6, 1),
-                      "same_codes": float((h8.float() == ref8.float()).float().mean())}
-    return out
+    return _time_candidates(candidates, device, bytes_moved, ref8)
 
 
 def measure_modulate(device: torch.device, rows: int = 8192, cols: int = 3072, warps: tuple[int, ...] = ()) -> dict:
@@ -69,13 +74,7 @@ def measure_modulate(device: torch.device, rows: int = 8192, cols: int = 3072, w
     for w in warps or (nq.DEFAULT_WARPS,):
         candidates[f"fused kernel, {w} warps"] = lambda w=w: nq._modulate_quantize_op(
             x.reshape(-1, cols), rows, 1e-6, mod, 6, 0, 1, None, w)
-    out = {}
-    for label, fn in candidates.items():
-        ms = hc.time_calls(fn, device, warmup=5, reps=50)["ms"]
-        x8, _ = fn()
-        out[label] = {"ms": round(ms, 4), "GB/s": round(bytes_moved / ms / 1e6, 1),
-                      "same_codes": float((x8.float() == ref8.float()).float().mean())}
-    return out
+    return _time_candidates(candidates, device, bytes_moved, ref8)
 
 
 def print_table(results: dict, title: str = "GELU+quantize 8192x12288") -> None:
