@@ -163,7 +163,11 @@ class ScaledMMLinear(Fp8Linear):
         return cls(w8, ws, linear.bias, granularity, emulate, layer_name, fast_accum)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        y = self.gemm(*self.quantize_input(x2d), x2d.dtype)
+        return self.linear_quantized(*self.quantize_input(x2d), x2d.dtype)
+
+    def linear_quantized(self, x8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`gemm` plus the bias (added in ``out_dtype``; Inductor fuses it): the layer on a quantized input."""
+        y = self.gemm(x8, x_scale, out_dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -51,7 +51,5 @@ def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor | Prequantized) -> torch.T
     else:
         batch, tokens = x.shape[0], x.shape[1]
         hidden, up_bias = unbiased_output(up, x.reshape(-1, x.shape[-1]))  # the bias goes into the fused kernel
-    out = down.gemm(*gelu_quantize_rowwise(hidden, up_bias), torch.bfloat16)
-    if down.bias is not None:
-        out = out + down.bias.to(out.dtype)
+    out = down.linear_quantized(*gelu_quantize_rowwise(hidden, up_bias), torch.bfloat16)
     return out.reshape(batch, tokens, down.out_features)

@@ -100,7 +100,4 @@ def apply_linear(layer: torch.nn.Module, x: torch.Tensor | Prequantized) -> torc
     """``layer(x)`` for a bf16 activation or a :class:`Prequantized` one; returns (B, S, N) bf16."""
     if not isinstance(x, Prequantized):
         return layer(x)
-    y = layer.gemm(x.x8, x.scale, torch.bfloat16)
-    if layer.bias is not None:
-        y = y + layer.bias.to(y.dtype)
-    return y.reshape(x.batch, x.tokens, layer.out_features)
+    return layer.linear_quantized(x.x8, x.scale, torch.bfloat16).reshape(x.batch, x.tokens, layer.out_features)
