@@ -245,28 +245,9 @@ def _text_encoder_json(config: TextEncoderConfig) -> dict[str, Any]:
     return {
         "architectures": ["Qwen2_5_VLForConditionalGeneration"],
         "model_type": "qwen2_5_vl",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "vocab_size": config.vocab_size,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": {"mrope_section": list(config.mrope_section), "rope_type": "default", "type": "default"},
+        **config.hf_text_sizes(),
         "tie_word_embeddings": False,
-        "vision_config": {
-            "depth": config.vision_depth,
-            "hidden_size": config.vision_hidden_size,
-            "num_heads": config.vision_num_heads,
-            "intermediate_size": config.vision_intermediate_size,
-            "out_hidden_size": config.vision_out_hidden_size,
-            "patch_size": config.vision_patch_size,
-            "spatial_merge_size": config.vision_spatial_merge_size,
-            "temporal_patch_size": config.vision_temporal_patch_size,
-            "window_size": config.vision_window_size,
-            "fullatt_block_indexes": list(config.vision_fullatt_block_indexes),
-        },
+        "vision_config": config.hf_vision_sizes(),
     }
 
 

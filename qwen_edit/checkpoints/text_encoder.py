@@ -97,6 +97,35 @@ class TextEncoderConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def hf_text_sizes(self) -> dict:
+        """The text model's sizes under Hugging Face ``Qwen2_5_VLConfig`` / config.json names."""
+        return {
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": {"mrope_section": list(self.mrope_section), "rope_type": "default", "type": "default"},
+        }
+
+    def hf_vision_sizes(self) -> dict:
+        """The vision tower's sizes under Hugging Face ``vision_config`` names."""
+        return {
+            "depth": self.vision_depth,
+            "hidden_size": self.vision_hidden_size,
+            "num_heads": self.vision_num_heads,
+            "intermediate_size": self.vision_intermediate_size,
+            "out_hidden_size": self.vision_out_hidden_size,
+            "patch_size": self.vision_patch_size,
+            "temporal_patch_size": self.vision_temporal_patch_size,
+            "spatial_merge_size": self.vision_spatial_merge_size,
+            "window_size": self.vision_window_size,
+            "fullatt_block_indexes": list(self.vision_fullatt_block_indexes),
+        }
+
     def __post_init__(self) -> None:
         problems = []
         if self.hidden_size % self.num_heads:
