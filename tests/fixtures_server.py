@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,18 @@ from comfy_server import ComfyServer
 
 SERVERS: list[ComfyServer] = []
 NETGUARD_DIR = Path(__file__).resolve().parent / "netguard"
+
+
+@contextlib.contextmanager
+def running(server: ComfyServer) -> Iterator[ComfyServer]:
+    """Start ``server``, list it in SERVERS (its log is printed on a failure) for the block, then stop it."""
+    server.start()
+    SERVERS.append(server)
+    try:
+        yield server
+    finally:
+        server.stop()
+        SERVERS.remove(server)
 
 
 def guarded_server(base: Path) -> ComfyServer:
@@ -26,13 +39,8 @@ def comfy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
 
     base = tmp_path_factory.mktemp("comfy")
     install_tiny_models(base / "models")
-    server = guarded_server(base).start()
-    SERVERS.append(server)
-    try:
+    with running(guarded_server(base)) as server:
         yield server
-    finally:
-        server.stop()
-        SERVERS.remove(server)
 
 
 @pytest.fixture(scope="session")
@@ -53,14 +61,9 @@ def emulating_comfy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyS
     server = guarded_server(base)
     server.env["QWEN_EDIT_FP8_EMULATE"] = "1"
     server.extra_args = ("--cache-lru", "200")
-    server.start()
-    write_image(server.input_dir / INPUT_IMAGE, 128, 96, seed=5)
-    SERVERS.append(server)
-    try:
+    with running(server):
+        write_image(server.input_dir / INPUT_IMAGE, 128, 96, seed=5)
         yield server
-    finally:
-        server.stop()
-        SERVERS.remove(server)
 
 
 @pytest.fixture
@@ -69,13 +72,8 @@ def fresh_comfy(tmp_path: Path) -> Iterator[ComfyServer]:
     from fixtures_models import install_tiny_models
 
     install_tiny_models(tmp_path / "models")
-    server = guarded_server(tmp_path).start()
-    SERVERS.append(server)
-    try:
+    with running(guarded_server(tmp_path)) as server:
         yield server
-    finally:
-        server.stop()
-        SERVERS.remove(server)
 
 
 @pytest.hookimpl(hookwrapper=True)
