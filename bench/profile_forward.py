@@ -72,6 +72,9 @@ def profile(fn) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
+    parser.add_argument("--attention", nargs="+", metavar="BACKEND",
+                        help="instead of the kernel variants: the shipped preset with each attention backend "
+                             "(the first one again at the end), no micro-benchmarks")  # fmt: skip
     args = parser.parse_args()
     load_pack()
     from qwen_edit_hopper.fp8 import Fp8Config
@@ -85,30 +88,37 @@ def main() -> int:
     reference = hm.fast_forward(ff, base, inputs)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}
     fast_accum = Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True)
-    results["gelu_quant_kernel"] = gelu_quant_bench.measure(device)
-    gelu_quant_bench.print_table(results["gelu_quant_kernel"])
-    results["modulate_quant_kernel"] = gelu_quant_bench.measure_modulate(device)
-    gelu_quant_bench.print_table(results["modulate_quant_kernel"], "LN+modulate+quantize 8192x3072")
-    # (label, fp8 config, fused GELU + quantize kernel in the MLP, fused LayerNorm + modulate + quantize kernel)
-    variants = [
-        ("fastest preset, Inductor quantization", fast_accum, False, False),
-        ("fastest preset, fused GELU+quantize kernel", fast_accum, True, False),
-        ("fastest preset, fused GELU+quantize and residual+LN+modulate+quantize kernels (shipped)", fast_accum, True,
-         True),
-        ("fastest preset, Inductor quantization (again: clock drift over the run)", fast_accum, False, False),
-    ]
+    # (label, fp8 config, fused GELU + quantize kernel in the MLP, fused LayerNorm + modulate + quantize kernel,
+    # attention backend)
+    if args.attention:
+        backends = [*args.attention, args.attention[0]]
+        variants = [(f"shipped kernels, attention {b}" + (" (again)" if i == len(backends) - 1 else ""),
+                     fast_accum, True, True, b) for i, b in enumerate(backends)]  # fmt: skip
+    else:
+        results["gelu_quant_kernel"] = gelu_quant_bench.measure(device)
+        gelu_quant_bench.print_table(results["gelu_quant_kernel"])
+        results["modulate_quant_kernel"] = gelu_quant_bench.measure_modulate(device)
+        gelu_quant_bench.print_table(results["modulate_quant_kernel"], "LN+modulate+quantize 8192x3072")
+        variants = [
+            ("fastest preset, Inductor quantization", fast_accum, False, False, "sdpa"),
+            ("fastest preset, fused GELU+quantize kernel", fast_accum, True, False, "sdpa"),
+            ("fastest preset, fused GELU+quantize and residual+LN+modulate+quantize kernels (shipped)", fast_accum,
+             True, True, "sdpa"),
+            ("fastest preset, Inductor quantization (again: clock drift over the run)", fast_accum, False, False,
+             "sdpa"),
+        ]
     from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
     from qwen_edit_hopper.qwen_edit.fast import prequant
 
     with dynamo_settings():
-        for label, config, fused_gelu, fused_norm in variants:
+        for label, config, fused_gelu, fused_norm, backend in variants:
             torch._dynamo.reset()
             fast_mlp.FUSED_GELU_QUANT, prequant.FUSED_NORM_QUANT = fused_gelu, fused_norm
             module = build_fp8_dit(base, config)
             ff.compile_blocks(module)
 
-            def call(module=module):
-                return hm.fast_forward(ff, module, inputs)
+            def call(module=module, backend=backend):
+                return hm.fast_forward(ff, module, inputs, attention=backend)
             started = time.perf_counter()
             call()
             torch.cuda.synchronize()
@@ -118,7 +128,7 @@ def main() -> int:
             results["variants"][label] = {"ms": round(ms, 2), "rel_err": error, "first_call_s": round(compile_s, 1)}
             print(f"{label:88s} {ms:8.1f} ms  err {error:.2e}  first call {compile_s:.0f} s", flush=True)
             results.setdefault("profiles", {})[label] = profile(call)
-            if "shipped" in label:
+            if "shipped" in label and "profile" not in results:
                 results["profile"] = {"variant": label, **results["profiles"][label]}
             del module, call
             gc.collect()

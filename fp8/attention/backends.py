@@ -16,6 +16,9 @@ Backends (``BACKENDS``):
   bf16, int8 or e4m3 per :class:`.triton_fp8.Fp8AttentionConfig`; CUDA compute capability 9.0
   (Hopper) only, bf16 inputs, head dim 64 or 128. Wrapped as the custom op
   ``torch.ops.qwen_edit_hopper.fp8_attention`` so ``torch.compile`` traces around it.
+* ``gluon_int8``: the same int8-QK / bf16-PV numerics in a Gluon kernel with FlashAttention-3's
+  overlap of the softmax with the tensor cores (:mod:`.gluon_int8`); compute capability 9.0, bf16,
+  head dim 128 only; the custom op ``torch.ops.qwen_edit_hopper.gluon_int8_attention``.
 
 ``check_backend(name, device)`` returns ``(ok, reason)`` without running anything; an unavailable
 backend passed to ``attention`` raises :class:`AttentionUnavailableError` with that reason. There
@@ -49,7 +52,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn", "triton_fp8")
+BACKENDS = (
+    "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn", "triton_fp8", "gluon_int8",
+)  # fmt: skip
 
 _SDPA_FORCED = {
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -58,6 +63,7 @@ _SDPA_FORCED = {
     "sdpa_math": SDPBackend.MATH,
 }
 TRITON_FP8_HEAD_DIMS = (64, 128)
+GLUON_INT8_HEAD_DIMS = (128,)
 
 
 class AttentionUnavailableError(Fp8UnavailableError):
@@ -159,6 +165,15 @@ def _check_triton_fp8(device: torch.device) -> tuple[bool, str]:
     return True, "Triton 8-bit kernel (int8/e4m3 QK^T on Hopper tensor cores)"
 
 
+def _check_gluon_int8(device: torch.device) -> tuple[bool, str]:
+    ok, reason = _check_triton_fp8(device)
+    if not ok:
+        return False, reason.replace("triton_fp8", "gluon_int8")
+    if importlib.util.find_spec("triton.experimental.gluon") is None:
+        return False, "gluon_int8 needs Triton's Gluon language (triton >= 3.5), which this triton does not have"
+    return True, "Gluon int8-QK / bf16-PV kernel with FlashAttention-3-style softmax/tensor-core overlap"
+
+
 # --------------------------------------------------------------------------------------------------
 # Runners: (B, H, S, D) -> (B, S, H*D)
 # --------------------------------------------------------------------------------------------------
@@ -253,6 +268,41 @@ def _run_triton_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config=No
     )  # fmt: skip
 
 
+def _define_gluon_op():
+    """Register ``torch.ops.qwen_edit_hopper.gluon_int8_attention`` once per process."""
+    namespace = torch.ops.qwen_edit_hopper
+    if hasattr(namespace, "gluon_int8_attention"):
+        return namespace.gluon_int8_attention
+
+    @torch.library.custom_op("qwen_edit_hopper::gluon_int8_attention", mutates_args=())
+    def gluon_int8_attention_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_warps: int, stages: int
+    ) -> torch.Tensor:
+        from .gluon_int8 import GluonAttentionConfig, gluon_int8_attention
+
+        ok, reason = check_backend("gluon_int8", q.device, head_dim=q.shape[-1], dtype=q.dtype)
+        if not ok:
+            raise AttentionUnavailableError(f"attention backend 'gluon_int8' cannot run: {reason}")
+        return gluon_int8_attention(q, k, v, GluonAttentionConfig(num_warps=num_warps, stages=stages))
+
+    @gluon_int8_attention_op.register_fake
+    def _(q, k, v, num_warps, stages):
+        b, h, s, d = q.shape
+        return q.new_empty((b, s, h * d))
+
+    return gluon_int8_attention_op
+
+
+gluon_int8_attention_op = _define_gluon_op()
+
+
+def _run_gluon_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config=None) -> torch.Tensor:
+    from .gluon_int8 import DEFAULT_GLUON_CONFIG
+
+    c = DEFAULT_GLUON_CONFIG if config is None else config
+    return gluon_int8_attention_op(q, k, v, c.num_warps, c.stages)
+
+
 @dataclass(frozen=True)
 class _Backend:
     name: str
@@ -268,7 +318,9 @@ _REGISTRY = {
     "sdpa_math": _Backend("sdpa_math", _check_sdpa_math, _sdpa_forced(SDPBackend.MATH)),
     "flash_attn": _Backend("flash_attn", _check_flash_attn, _run_flash_attn),
     "triton_fp8": _Backend("triton_fp8", _check_triton_fp8, _run_triton_fp8),
+    "gluon_int8": _Backend("gluon_int8", _check_gluon_int8, _run_gluon_int8),
 }
+_CONFIGURABLE = ("triton_fp8", "gluon_int8")
 
 
 def _lookup(name: str) -> _Backend:
@@ -296,11 +348,12 @@ def check_backend(
     ok, reason = backend.check(dev)
     if not ok:
         return ok, reason
-    if name == "triton_fp8":
-        if head_dim is not None and head_dim not in TRITON_FP8_HEAD_DIMS:
-            return False, f"triton_fp8 supports head dim 64 or 128, not {head_dim}"
+    if name in _CONFIGURABLE:
+        dims = TRITON_FP8_HEAD_DIMS if name == "triton_fp8" else GLUON_INT8_HEAD_DIMS
+        if head_dim is not None and head_dim not in dims:
+            return False, f"{name} supports head dim {' or '.join(map(str, dims))}, not {head_dim}"
         if dtype is not None and dtype != torch.bfloat16:
-            return False, f"triton_fp8 takes bfloat16 q/k/v, not {dtype}"
+            return False, f"{name} takes bfloat16 q/k/v, not {dtype}"
     fp16_only = name in ("sdpa_flash", "flash_attn") and dev.type == "cuda"
     if fp16_only and dtype is not None and dtype not in (torch.float16, torch.bfloat16):
         return False, f"{name} takes fp16 or bf16 on CUDA, not {dtype}"
@@ -332,12 +385,12 @@ def attention(
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         raise ValueError(f"q, k, v must share one (B, H, S, D) shape; got {shapes}")
-    if config is not None and backend != "triton_fp8":
-        raise ValueError(f"config applies to triton_fp8 only, not {backend!r}")
+    if config is not None and backend not in _CONFIGURABLE:
+        raise ValueError(f"config applies to {' and '.join(_CONFIGURABLE)} only, not {backend!r}")
     if not torch.compiler.is_compiling():
         ok, reason = check_backend(backend, q.device, head_dim=q.shape[-1], dtype=q.dtype)
         if not ok:
             raise AttentionUnavailableError(f"attention backend {backend!r} cannot run: {reason}")
-    if backend == "triton_fp8":
+    if backend in _CONFIGURABLE:
         return impl.run(q, k, v, config)
     return impl.run(q, k, v)

@@ -183,7 +183,7 @@ def test_timing_sanity():
     """Prints ms for the default 8-bit path and cuDNN at S=8492 (no speed assertion: bench/attention_bench.py)."""
     q, k, v = _inputs(1, 8492, seed=1)
     results = {}
-    for name in ("sdpa_cudnn", "triton_fp8"):
+    for name in ("sdpa_cudnn", "triton_fp8", "gluon_int8"):
         if not check_backend(name, "cuda")[0]:
             continue
         for _ in range(3):
@@ -201,3 +201,63 @@ def test_timing_sanity():
     flops = 4.0 * H * 8492**2 * D
     print("\n" + ", ".join(f"{n}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)" for n, ms in results.items()))
     assert all(ms > 0 for ms in results.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# The Gluon kernel (fp8/attention/gluon_int8.py): same quantization as triton_fp8 int8/bf16
+# --------------------------------------------------------------------------------------------------
+
+GLUON_CONFIGS = [
+    "default",
+    {"num_warps": 4, "stages": 2, "block_n": 128},
+    {"num_warps": 8, "stages": 3, "block_n": 128},
+    {"num_warps": 8, "stages": 4, "block_n": 64},
+]
+
+
+def _gluon_cfg(spec):
+    from qwen_edit_hopper.fp8.attention import gluon_int8 as gi
+
+    return gi.DEFAULT_GLUON_CONFIG if spec == "default" else gi.GluonAttentionConfig(**spec)
+
+
+def _bshd(t):
+    """(B, H, S, D) values in (B, S, H, D) memory, as the DiT's transposes produce them."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("spec", GLUON_CONFIGS, ids=str)
+@pytest.mark.parametrize(("b", "s", "layout"), [(1, 100, "bhsd"), (1, 8492, "bhsd"), (2, 300, "bshd"),
+                                                (2, 2304, "bshd")])  # fmt: skip
+def test_gluon_kernel_matches_triton_fp8_and_float64(spec, b, s, layout):
+    ok, reason = check_backend("gluon_int8", "cuda", head_dim=D, dtype=torch.bfloat16)
+    if not ok:
+        pytest.skip(reason)
+    q, k, v = _inputs(b, s, seed=s + b)
+    if layout == "bshd":
+        q, k, v = _bshd(q), _bshd(k), _bshd(v)
+    cfg = _gluon_cfg(spec)
+    out = attention(q, k, v, "gluon_int8", config=cfg)
+    same_quant = attention(q, k, v, "triton_fp8", config=_cfg("int8", "bf16"))
+    # Same quantized operands: only fp32 summation order and bf16 output rounding differ (0.96-1.48e-3 on H200).
+    diff = relative_error(out, same_quant)
+    assert diff < 3e-3, f"{cfg.label}: {diff:.2e} from triton_fp8"
+    err = relative_error(out, _exact(q, k, v))
+    assert err < BOUNDS[("int8", "bf16")], f"{cfg.label}: {err:.2e}"
+
+
+def test_gluon_kernel_refuses_head_dim_64_and_traces_under_compile():
+    ok, reason = check_backend("gluon_int8", "cuda")
+    if not ok:
+        pytest.skip(reason)
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(Exception, match="head dim 128"):
+        attention(q, q, q, "gluon_int8")
+    q, k, v = _inputs(1, 1000, seed=12)
+
+    def fn(q, k, v):
+        return attention(q, k, v, "gluon_int8") * 2.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=0, atol=0)

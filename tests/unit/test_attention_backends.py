@@ -49,7 +49,9 @@ def _qkv(b=1, h=2, s=96, d=64, dtype=torch.bfloat16, seed=0, k_bias=0.0):
 
 
 def test_registry_lists_every_backend():
-    assert BACKENDS == ("sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn", "triton_fp8")
+    assert BACKENDS == (
+        "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn", "triton_fp8", "gluon_int8",
+    )  # fmt: skip
     table = available_backends("cpu")
     assert set(table) == set(BACKENDS)
     for name, (ok, reason) in table.items():
@@ -59,6 +61,8 @@ def test_registry_lists_every_backend():
 def test_cpu_reasons():
     ok, reason = check_backend("triton_fp8", "cpu")
     assert not ok and "needs a CUDA GPU with compute capability 9.0" in reason
+    ok, reason = check_backend("gluon_int8", "cpu")
+    assert not ok and reason.startswith("gluon_int8 needs a CUDA GPU with compute capability 9.0")
     ok, reason = check_backend("sdpa_cudnn", "cpu")
     assert not ok and "CUDA" in reason
     ok, reason = check_backend("sdpa_efficient", "cpu")
@@ -84,7 +88,7 @@ def test_unknown_backend_is_a_value_error():
         attention(q, k, v, "fa9")
 
 
-@pytest.mark.parametrize("name", ["triton_fp8", "sdpa_cudnn", "sdpa_efficient"])
+@pytest.mark.parametrize("name", ["triton_fp8", "gluon_int8", "sdpa_cudnn", "sdpa_efficient"])
 def test_unavailable_backend_raises_with_reason(name):
     q, k, v = _qkv()
     with pytest.raises(AttentionUnavailableError, match=name):
@@ -97,7 +101,7 @@ def test_bad_shapes_and_misplaced_config():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="share one"):
         attention(q, k[:, :, :10], v, "sdpa")
-    with pytest.raises(ValueError, match="triton_fp8 only"):
+    with pytest.raises(ValueError, match="triton_fp8 and gluon_int8 only"):
         attention(q, k, v, "sdpa", config=Fp8AttentionConfig())
 
 
