@@ -158,11 +158,15 @@ def test_rejects_what_it_cannot_run():
         attention(q, q, q, "triton_fp8")
 
 
-def test_torch_compile_traces_around_the_custom_op():
+@pytest.mark.parametrize("name", ["triton_fp8", "gluon_int8"])
+def test_torch_compile_traces_around_the_custom_op(name):
+    ok, reason = check_backend(name, "cuda")
+    if not ok:
+        pytest.skip(reason)
     q, k, v = _inputs(1, 1000, seed=11)
 
     def fn(q, k, v):
-        return attention(q, k, v, "triton_fp8") * 2.0
+        return attention(q, k, v, name) * 2.0
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True)
@@ -246,18 +250,10 @@ def test_gluon_kernel_matches_triton_fp8_and_float64(spec, b, s, layout):
     assert err < BOUNDS[("int8", "bf16")], f"{cfg.label}: {err:.2e}"
 
 
-def test_gluon_kernel_refuses_head_dim_64_and_traces_under_compile():
+def test_gluon_kernel_refuses_head_dim_64():
     ok, reason = check_backend("gluon_int8", "cuda")
     if not ok:
         pytest.skip(reason)
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(Exception, match="head dim 128"):
         attention(q, q, q, "gluon_int8")
-    q, k, v = _inputs(1, 1000, seed=12)
-
-    def fn(q, k, v):
-        return attention(q, k, v, "gluon_int8") * 2.0
-
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True)
-    torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=0, atol=0)
