@@ -104,16 +104,20 @@ def _fuse_only_prompt(lora_name: str) -> dict:
         "6": {"class_type": "PreviewAny", "inputs": {"source": ["5", 1]}}}
 
 
+def _fuse_error_message(comfy, lora_name: str) -> str:
+    """Queue the fuse-only prompt with ``lora_name``, expect it to fail, return ComfyUI's error message."""
+    with pytest.raises(PromptFailedError) as failed:
+        comfy.run(_fuse_only_prompt(lora_name))
+    return failed.value.event("execution_error")["exception_message"]
+
+
 def test_lora_for_another_architecture_is_an_error_naming_the_file(comfy):
     from safetensors.torch import save_file
 
     path = comfy.models_dir / "loras" / "sdxl_style.safetensors"
     save_file({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 320),
                "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.zeros(320, 4)}, str(path))
-    with pytest.raises(PromptFailedError) as failed:
-        comfy.run(_fuse_only_prompt(path.name))
-    message = failed.value.event("execution_error")["exception_message"]
-    assert "sdxl_style.safetensors" in message
+    assert "sdxl_style.safetensors" in _fuse_error_message(comfy, path.name)
 
 
 def test_corrupted_lora_and_rank_alpha_mismatch(comfy):
@@ -121,16 +125,12 @@ def test_corrupted_lora_and_rank_alpha_mismatch(comfy):
 
     broken = comfy.models_dir / "loras" / "broken.safetensors"
     broken.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
-    with pytest.raises(PromptFailedError) as failed:
-        comfy.run(_fuse_only_prompt(broken.name))
-    assert "broken.safetensors" in failed.value.event("execution_error")["exception_message"]
+    assert "broken.safetensors" in _fuse_error_message(comfy, broken.name)
 
     mismatch = comfy.models_dir / "loras" / "rank_mismatch.safetensors"
     save_file({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 64),
                "transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(64, 8)}, str(mismatch))
-    with pytest.raises(PromptFailedError) as failed:
-        comfy.run(_fuse_only_prompt(mismatch.name))
-    message = failed.value.event("execution_error")["exception_message"]
+    message = _fuse_error_message(comfy, mismatch.name)
     assert "rank_mismatch.safetensors" in message and "to_q" in message
 
 
