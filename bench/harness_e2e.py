@@ -242,7 +242,7 @@ VARIANT_SPECS: dict[str, dict[str, Any]] = {
     "fast/fp8-rowwise-eager": {"backend": "scaled_mm_rowwise", "compile": False},
     "fast/fp8-rowwise-compiled": {"backend": "scaled_mm_rowwise", "compile": True},
     "fast/fastest-compiled": {"backend": "scaled_mm_rowwise", "preset": "attn+mlp+mod compute",
-                              "fast_accum": True, "compile": True},
+                              "fast_accum": True, "compile": True, "attention": "cudnn_fp8"},
     "fast/fp8-tensorwise-compiled": {"backend": "scaled_mm_tensorwise", "compile": True},
     "fast/te-current-compiled": {"backend": "te", "recipe": "current", "compile": True},
     "fast/weight-only-eager": {"backend": "weight_only", "compile": False},

@@ -341,6 +341,11 @@ FASTEST_PRESET = "attn+mlp+mod compute"
 compute too (faster and, measured, more accurate than fp8 storage), with cuBLASLt fast accumulation."""
 
 
+FASTEST_ATTENTION = "cudnn_fp8"
+"""The fastest preset's attention: cuDNN's FP8 kernel with the block-fused quantization (the shipped
+"fastest" workflow's choice); ``fastest-sdpa-compiled`` is the same model with bf16 SDPA, for the A/B."""
+
+
 def fastest_fp8():
     from qwen_edit_hopper.fp8 import Fp8Config
 
@@ -448,7 +453,9 @@ def families(ctx: ForwardContext) -> dict[str, list[Group]]:
                 Mode("bf16-compiled", "fast", compiled=True, cfg=True, resolution=True, enter=fast_c),
             ], shares_base=True),
             Group("fast", "fastest", build_fastest, [
-                Mode("fastest-compiled", "fast", compiled=True, cfg=True, resolution=True, enter=fast_c)]),
+                Mode("fastest-compiled", "fast", compiled=True, cfg=True, resolution=True, attention=FASTEST_ATTENTION,
+                     enter=fast_c),
+                Mode("fastest-sdpa-compiled", "fast", compiled=True, cfg=True, enter=fast_c)]),
             Group("fast", "fp8-rowwise", build_pack_fp8("scaled_mm_rowwise"), [
                 Mode("fp8-rowwise-eager", "fast"),
                 Mode("fp8-rowwise-compiled", "fast", compiled=True, cfg=True, resolution=True, enter=fast_c)]),

@@ -175,6 +175,7 @@ def diagnose(device: torch.device | str | None = None) -> Diagnosis:
         (_dist_version("flash_attn_3", "flash-attn-3", "flashattn-hopper") or "installed",
          "flash_attn_interface found (DiffSynth uses FA3 when it imports)")
         if importlib.util.find_spec("flash_attn_interface") else ("not installed", "no flash_attn_interface module")))
+    _safe(lines, "cuDNN FP8 attention", lambda: _cudnn_fp8_line(dev))
     if on_gpu:
         _safe(lines, "SDPA backend (Qwen-Image)", lambda: _sdpa_choice(dev))
     else:
@@ -185,6 +186,14 @@ def diagnose(device: torch.device | str | None = None) -> Diagnosis:
         name, reason, config = "bf16", f"recommendation failed: {type(ex).__name__}: {ex}", None
     lines.append(DiagnosticLine("recommendation", name, reason))
     return Diagnosis(tuple(lines), name, reason, config)
+
+
+def _cudnn_fp8_line(dev: torch.device) -> tuple[str, str]:
+    """Whether ``attention: cudnn_fp8`` (the fastest preset's attention) can run here, and why not."""
+    from .attention import check_backend
+
+    ok, reason = check_backend("cudnn_fp8", dev)
+    return ("ok" if ok else "no"), reason
 
 
 def _cap_line(cap, yes: str = "ok", no: str = "no") -> tuple[str, str]:

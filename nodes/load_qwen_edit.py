@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import comfy.model_management as mm
 from comfy_api.latest import io, ui
 
@@ -21,7 +23,20 @@ from .common import (
 
 VARIANT_CHOICES = ["auto", *(v.value for v in Variant)]
 VARIANT_BY_NAME = {"edit": Variant.EDIT, "edit_2509": Variant.EDIT_2509, "edit_2511": Variant.EDIT_2511}
-ATTENTION_CHOICES = ["auto", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn", "triton_fp8"]
+ATTENTION_CHOICES = ["auto", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn", "triton_fp8", "cudnn_fp8"]
+EMULABLE_ATTENTION = {"cudnn_fp8": "cudnn_fp8_emulated"}
+"""Attention backends that QWEN_EDIT_FP8_EMULATE=1 replaces by an fp32 mirror where they cannot run."""
+
+
+def emulated_attention(attention: str, reason: str) -> tuple[str, str] | None:
+    """(backend, note) when QWEN_EDIT_FP8_EMULATE=1 lets ``attention`` run as its mirror here, else None."""
+    from .apply_fp8 import EMULATE_ENV
+
+    if os.environ.get(EMULATE_ENV) != "1" or attention not in EMULABLE_ATTENTION:
+        return None
+    mirror = EMULABLE_ATTENTION[attention]
+    return mirror, (f"EMULATED: attention {attention} cannot run here ({reason}); {EMULATE_ENV}=1 runs it as "
+                    f"{mirror}, an fp32 mirror of its FP8 numerics (no speed)")
 
 
 class LoadQwenEdit(io.ComfyNode):
@@ -54,7 +69,8 @@ class LoadQwenEdit(io.ComfyNode):
                                tooltip="Attention backend of the DiT, reported in every benchmark. auto: PyTorch "
                                "SDPA's own pick (cuDNN on Hopper); sdpa_*: force one SDPA kernel; flash_attn: the "
                                "flash-attn package (FA3/FA2) when installed; triton_fp8: this pack's 8-bit "
-                               "(int8 QK^T) Triton kernel, Hopper only."),
+                               "(int8 QK^T) Triton kernel, Hopper only; cudnn_fp8: cuDNN's FP8 attention "
+                               "(needs nvidia-cudnn-frontend; Hopper or newer), the fastest measured."),
             ],
             outputs=[
                 PIPE.Output("pipe", tooltip="Qwen-Image-Edit pipe plan for Fuse LoRA, Apply TE-FP8, Compile Model, "
@@ -72,7 +88,7 @@ class LoadQwenEdit(io.ComfyNode):
             return problem
         if attention != "auto":
             ok, reason = check_backend(attention, mm.get_torch_device())
-            if not ok:
+            if not ok and emulated_attention(attention, reason) is None:
                 return f"attention {attention} cannot run here: {reason}"
         try:
             if diffusers_folder != NO_FOLDER:
@@ -106,6 +122,14 @@ class LoadQwenEdit(io.ComfyNode):
             chosen, reason = VARIANT_BY_NAME[info.name], info.reason
         else:
             chosen, reason = Variant(variant), "chosen by the user"
+        note = ""
+        if attention != "auto":
+            from ..fp8.attention import check_backend
+
+            ok, why = check_backend(attention, mm.get_torch_device())
+            emulated = None if ok else emulated_attention(attention, why)
+            if emulated is not None:
+                attention, note = emulated
         plan = PipePlan(files=files, variant=chosen, variant_reason=reason, attention=attention)
-        info = f"layout: {files.layout}\n{plan.describe()}"
+        info = f"layout: {files.layout}\n{plan.describe()}" + (f"\n{note}" if note else "")
         return io.NodeOutput(plan, info, ui=ui.PreviewText(info))

@@ -162,8 +162,10 @@ def preset_te_fp8() -> Workflow:
 def preset_fastest() -> Workflow:
     return Workflow("qwen_edit_fastest", "fastest",
                     "The fastest correct combination measured on one Hopper GPU: row-wise FP8 scaled-mm for attention, "
-                    "MLP and modulation linears with fast accumulation, compiled blocks, batched true CFG.",
-                    [_image(), _loader(2, (0, 0)), _fp8(3, (420, 0), (2, 0), "scaled_mm_rowwise", FASTEST_LAYERS),
+                    "MLP and modulation linears with fast accumulation, cuDNN FP8 attention (needs "
+                    "nvidia-cudnn-frontend), compiled blocks, batched true CFG.",
+                    [_image(), _loader(2, (0, 0), attention="cudnn_fp8"),
+                     _fp8(3, (420, 0), (2, 0), "scaled_mm_rowwise", FASTEST_LAYERS),
                      _compile(4, (840, 0), (3, 0)), _sampler(5, (1260, 0), (4, 0)),
                      _save(6, (1680, 0), (5, 0), "qwen_edit_fastest")])
 

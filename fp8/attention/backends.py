@@ -20,6 +20,14 @@ Backends (``BACKENDS``):
   overlap of the softmax with the tensor cores (:mod:`.gluon_int8`); compute capability 9.0, bf16,
   head dim 128 only; the custom op ``torch.ops.qwen_edit_hopper.gluon_int8_attention``.
 
+* ``cudnn_fp8``: cuDNN's FP8 fused attention through the optional ``nvidia-cudnn-frontend`` package
+  (:mod:`.cudnn_fp8`): per-tensor e4m3 q/k/v/P/O, compute capability 9.0 or newer, bf16 inputs; the
+  kernel is the custom op ``torch.ops.qwen_edit_hopper.cudnn_fp8_attention`` and the quantization
+  around it stays in the compiled graph.
+* ``cudnn_fp8_emulated``: the same quantization with the kernel replaced by its fp32 mirror
+  (``cudnn_fp8.reference_kernel``): runs anywhere, no speed. The Load node picks it for
+  ``cudnn_fp8`` only when ``QWEN_EDIT_FP8_EMULATE=1`` (tests on CPU machines) and says so.
+
 ``check_backend(name, device)`` returns ``(ok, reason)`` without running anything; an unavailable
 backend passed to ``attention`` raises :class:`AttentionUnavailableError` with that reason. There
 is no silent fallback anywhere. The SDPA backends add no graph breaks under ``torch.compile``
@@ -54,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = (
     "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn", "triton_fp8", "gluon_int8",
+    "cudnn_fp8", "cudnn_fp8_emulated",
 )  # fmt: skip
 
 _SDPA_FORCED = {
@@ -172,6 +181,15 @@ def _check_gluon_int8(device: torch.device) -> tuple[bool, str]:
     if importlib.util.find_spec("triton.experimental.gluon") is None:
         return False, "gluon_int8 needs Triton's Gluon language (triton >= 3.5), which this triton does not have"
     return True, "Gluon int8-QK / bf16-PV kernel with FlashAttention-3-style softmax/tensor-core overlap"
+
+
+def _check_cudnn_fp8(device: torch.device) -> tuple[bool, str]:
+    ok, reason = _need_cuda(device, "cudnn_fp8 (cuDNN FP8 attention)", (9, 0))
+    if not ok:
+        return ok, reason
+    from .cudnn_fp8 import frontend_status
+
+    return frontend_status()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,6 +321,58 @@ def _run_gluon_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config=No
     return gluon_int8_attention_op(q, k, v, c.num_warps, c.stages)
 
 
+def _define_cudnn_fp8_op():
+    """Register ``torch.ops.qwen_edit_hopper.cudnn_fp8_attention`` (the kernel only) once per process."""
+    namespace = torch.ops.qwen_edit_hopper
+    if hasattr(namespace, "cudnn_fp8_attention"):
+        return namespace.cudnn_fp8_attention
+
+    @torch.library.custom_op("qwen_edit_hopper::cudnn_fp8_attention", mutates_args=())
+    def cudnn_fp8_attention_op(
+        q8: torch.Tensor,
+        k8: torch.Tensor,
+        v8: torch.Tensor,
+        descale_q: torch.Tensor,
+        descale_k: torch.Tensor,
+        descale_v: torch.Tensor,
+        seq_len_kv: torch.Tensor,
+    ) -> torch.Tensor:
+        """``seq_len_kv``: (B,) int32 keys per sample (cuDNN's padding mask), or empty for no padding."""
+        from .cudnn_fp8 import run_kernel
+
+        ok, reason = check_backend("cudnn_fp8", q8.device)
+        if not ok:
+            raise AttentionUnavailableError(f"attention backend 'cudnn_fp8' cannot run: {reason}")
+        lengths = seq_len_kv if seq_len_kv.numel() else None
+        return run_kernel(q8, k8, v8, descale_q, descale_k, descale_v, lengths)
+
+    @cudnn_fp8_attention_op.register_fake
+    def _(q8, k8, v8, descale_q, descale_k, descale_v, seq_len_kv):
+        b, h, s, d = q8.shape
+        return q8.new_empty((b, s, h, d))
+
+    return cudnn_fp8_attention_op
+
+
+cudnn_fp8_kernel_op = _define_cudnn_fp8_op()
+
+
+def _run_cudnn_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from .cudnn_fp8 import cudnn_fp8_attention
+
+    return cudnn_fp8_attention(q, k, v)
+
+
+def _check_cudnn_fp8_emulated(device: torch.device) -> tuple[bool, str]:
+    return True, "fp32 mirror of cuDNN's FP8 attention numerics (emulation: no speed, materializes S x S per head)"
+
+
+def _run_cudnn_fp8_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from .cudnn_fp8 import cudnn_fp8_attention
+
+    return cudnn_fp8_attention(q, k, v, emulate=True)
+
+
 @dataclass(frozen=True)
 class _Backend:
     name: str
@@ -319,6 +389,8 @@ _REGISTRY = {
     "flash_attn": _Backend("flash_attn", _check_flash_attn, _run_flash_attn),
     "triton_fp8": _Backend("triton_fp8", _check_triton_fp8, _run_triton_fp8),
     "gluon_int8": _Backend("gluon_int8", _check_gluon_int8, _run_gluon_int8),
+    "cudnn_fp8": _Backend("cudnn_fp8", _check_cudnn_fp8, _run_cudnn_fp8),
+    "cudnn_fp8_emulated": _Backend("cudnn_fp8_emulated", _check_cudnn_fp8_emulated, _run_cudnn_fp8_emulated),
 }
 _CONFIGURABLE = ("triton_fp8", "gluon_int8")
 
@@ -354,6 +426,8 @@ def check_backend(
             return False, f"{name} supports head dim {' or '.join(map(str, dims))}, not {head_dim}"
         if dtype is not None and dtype != torch.bfloat16:
             return False, f"{name} takes bfloat16 q/k/v, not {dtype}"
+    if name == "cudnn_fp8" and dtype is not None and dtype != torch.bfloat16:
+        return False, f"cudnn_fp8 takes bfloat16 q/k/v, not {dtype}"
     fp16_only = name in ("sdpa_flash", "flash_attn") and dev.type == "cuda"
     if fp16_only and dtype is not None and dtype not in (torch.float16, torch.bfloat16):
         return False, f"{name} takes fp16 or bf16 on CUDA, not {dtype}"

@@ -18,6 +18,7 @@ for a batch, written so that ``torch.compile`` turns the elementwise work into f
   same kernel also applies the gated residual update of the attention output.
 * attention through :func:`...fp8.attention.attention` (the user's backend) on the joint sequence
   ``[image, text]``; right-padded text is handled per sample (valid keys only) or by an SDPA key mask.
+  ``cudnn_fp8`` goes through :mod:`.fp8_attention` instead, which folds its quantization into the block.
 
 No ``.item()`` / ``.tolist()``: nothing here syncs with the host.
 """
@@ -29,6 +30,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...fp8.attention import attention
+from .fp8_attention import cudnn_fp8_joint_attention, split_output
 from .mlp import mlp_forward, mlp_takes_prequantized
 from .prequant import Prequantized, apply_linear, modulated_input, residual_then_modulated, takes_prequantized
 from .qkv import FUSED_IMAGE, FUSED_TEXT
@@ -222,12 +224,18 @@ def fast_block(
     k = torch.cat([qk_norm_rope(k_i, attn.norm_k.weight, attn.norm_k.eps, cos_i, sin_i),
                    qk_norm_rope(k_t, attn.norm_added_k.weight, attn.norm_added_k.eps, cos_t, sin_t)], dim=1)
     v = torch.cat([v_i, v_t], dim=1)
-    out = joint_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), si, txt_lens, key_mask, backend)
+    if backend in ("cudnn_fp8", "cudnn_fp8_emulated") and key_mask is None:
+        fp8_out = takes_prequantized(attn.to_out[0]) and takes_prequantized(attn.to_add_out)
+        out = cudnn_fp8_joint_attention(attn, q, k, v, si, txt_lens, fp8_out, backend == "cudnn_fp8_emulated")
+    else:
+        out = joint_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), si, txt_lens, key_mask,
+                              backend)
+    img_attn, txt_attn = split_output(out, si)
 
-    image, img_in = residual_then_modulated(image, img_p[2], attn.to_out[0], out[:, :si], block.img_norm2.eps,
+    image, img_in = residual_then_modulated(image, img_p[2], attn.to_out[0], img_attn, block.img_norm2.eps,
                                             img_mod, (2, 3, 4), img_p[3], img_p[4], selector,
                                             mlp_takes_prequantized(block.img_mlp, image))
-    text, txt_in = residual_then_modulated(text, txt_p[2], attn.to_add_out, out[:, si:], block.txt_norm2.eps,
+    text, txt_in = residual_then_modulated(text, txt_p[2], attn.to_add_out, txt_attn, block.txt_norm2.eps,
                                            txt_mod, (2, 3, 4), txt_p[3], txt_p[4], None,
                                            mlp_takes_prequantized(block.txt_mlp, text))
     image = torch.addcmul(image, img_p[5], mlp_forward(block.img_mlp, img_in))

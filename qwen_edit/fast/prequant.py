@@ -77,20 +77,26 @@ def residual_then_modulated(x: torch.Tensor, gate: torch.Tensor, layer: torch.nn
                             ) -> tuple[torch.Tensor, torch.Tensor | Prequantized]:
     """``x + gate * layer(layer_input)`` and :func:`modulated_input` of it, in one kernel where it can run.
 
-    x: (B, S, D) residual stream; layer_input: (B, S, K); indices: (gate, shift, scale) vector indices in
+    x: (B, S, D) residual stream; layer_input: (B, S, K), or a :class:`Prequantized` one when ``layer`` is a
+    row-wise fp8 GEMM (the cuDNN FP8 attention's output); indices: (gate, shift, scale) vector indices in
     ``mod``. Returns (the new residual stream, the modulated input of the next consumers).
     """
     if _fusable(consumers_take_fp8, x):
-        update, bias = unbiased_output(layer, layer_input.reshape(-1, layer_input.shape[-1]))
+        flat = layer_input if isinstance(layer_input, Prequantized) else layer_input.reshape(-1, layer_input.shape[-1])
+        update, bias = unbiased_output(layer, flat)
         new, x8, x_scale = residual_modulate_quantize_rowwise(x, update, bias, eps, mod, 6, *indices, selector)
         return new, Prequantized(x8, x_scale, x.shape[0], x.shape[1])
-    new = torch.addcmul(x, gate, layer(layer_input))
+    new = torch.addcmul(x, gate, apply_linear(layer, layer_input))
     return new, modulated_input(new, eps, mod, indices[1], indices[2], shift, scale, selector, consumers_take_fp8)
 
 
-def unbiased_output(layer: torch.nn.Module, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def unbiased_output(layer: torch.nn.Module, x2d: torch.Tensor | Prequantized
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(layer(x2d) - bias, bias)`` computed without the bias pass where the layer is a row-wise fp8 GEMM
-    (a fused kernel adds the bias); ``(layer(x2d), None)`` otherwise. x2d: (M, K) -> (M, N)."""
+    (a fused kernel adds the bias); ``(layer(x2d), None)`` otherwise. x2d: (M, K) -> (M, N), or a
+    :class:`Prequantized` (M rows) for a row-wise fp8 layer."""
+    if isinstance(x2d, Prequantized):
+        return layer.gemm(x2d.x8, x2d.scale, torch.bfloat16), layer.bias
     if takes_prequantized(layer):
         return layer.gemm(*layer.quantize_input(x2d), x2d.dtype), layer.bias
     return layer(x2d), None

@@ -187,7 +187,7 @@ def test_timing_sanity():
     """Prints ms for the default 8-bit path and cuDNN at S=8492 (no speed assertion: bench/attention_bench.py)."""
     q, k, v = _inputs(1, 8492, seed=1)
     results = {}
-    for name in ("sdpa_cudnn", "triton_fp8", "gluon_int8"):
+    for name in ("sdpa_cudnn", "triton_fp8", "gluon_int8", "cudnn_fp8"):
         if not check_backend(name, "cuda")[0]:
             continue
         for _ in range(3):
@@ -257,3 +257,64 @@ def test_gluon_kernel_refuses_head_dim_64():
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(Exception, match="head dim 128"):
         attention(q, q, q, "gluon_int8")
+
+
+# --------------------------------------------------------------------------------------------------
+# cuDNN's FP8 attention (fp8/attention/cudnn_fp8.py): per-tensor e4m3 everywhere
+# --------------------------------------------------------------------------------------------------
+
+CUDNN_FP8_BOUND = 8e-2
+"""e4m3 Q, K, P and V: 5.8-5.9e-2 against float64 on these inputs (H200, 2026-11-21)."""
+
+
+def _need_cudnn_fp8():
+    ok, reason = check_backend("cudnn_fp8", "cuda", head_dim=D, dtype=torch.bfloat16)
+    if not ok:
+        pytest.skip(reason)
+
+
+CUDNN_FP8_CASES = [(1, 100, "bhsd", "gauss"), (1, 8492, "bshd", "gauss"), (2, 300, "bshd", "gauss"),
+                   (1, 2304, "bshd", "outlier")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("b", "s", "layout", "kind"), CUDNN_FP8_CASES)
+def test_cudnn_fp8_against_float64_and_sdpa(b, s, layout, kind):
+    _need_cudnn_fp8()
+    q, k, v = _inputs(b, s, kind, seed=s + b)
+    if layout == "bshd":
+        q, k, v = _bshd(q), _bshd(k), _bshd(v)
+    out = attention(q, k, v, "cudnn_fp8")
+    assert out.shape == (b, s, H * D) and out.dtype == torch.bfloat16
+    exact = _exact(q, k, v)
+    err = relative_error(out, exact)
+    assert err < CUDNN_FP8_BOUND, f"{err:.2e}"
+    # Not a copy of the bf16 kernel's answer: e4m3 rounding shows (bf16 SDPA: ~2.3e-3).
+    assert err > 5 * relative_error(attention(q, k, v, "sdpa_cudnn"), exact)
+
+
+def test_cudnn_fp8_under_torch_compile():
+    _need_cudnn_fp8()
+    q, k, v = (_bshd(t) for t in _inputs(1, 1000, seed=12))
+
+    def fn(q, k, v):
+        return attention(q, k, v, "cudnn_fp8") * 2.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    out = compiled(q, k, v)
+    # Inductor fuses the quantization; its fp32 arithmetic may round a few e4m3 codes differently.
+    assert relative_error(out, fn(q, k, v)) < 1e-2
+    assert relative_error(out, 2.0 * _exact(q, k, v).float()) < CUDNN_FP8_BOUND
+
+
+def test_cudnn_fp8_kernel_matches_its_mirror():
+    """The CPU emulation (``reference_kernel``) computes what the kernel computes, up to P's block-wise rounding."""
+    from qwen_edit_hopper.fp8.attention import cudnn_fp8 as cf
+
+    _need_cudnn_fp8()
+    q, k, v = (_bshd(t) for t in _inputs(1, 2304, "outlier", seed=21, h=4))
+    (q8, dq), (k8, dk), (v8, dv) = cf.quantize_per_tensor(q), cf.quantize_per_tensor(k), cf.quantize_per_tensor(v)
+    kernel = cf.attention_quantized(q8, k8, v8, dq, dk, dv).float()
+    mirror = cf.attention_quantized(q8, k8, v8, dq, dk, dv, emulate=True).float()
+    diff = relative_error(kernel, mirror)
+    assert diff < 3e-2, f"{diff:.2e}"

@@ -78,18 +78,21 @@ def test_matches_diffsynth(dit, inputs, backend, zero_cond_t):
 
 
 @pytest.mark.parametrize(("backend", "text_padding"),
-                         [("sdpa", "split"), ("sdpa", "mask"), ("sdpa_cudnn", "split"), ("triton_fp8", "split")])
+                         [("sdpa", "split"), ("sdpa", "mask"), ("sdpa_cudnn", "split"), ("triton_fp8", "split"),
+                          ("cudnn_fp8", "split")])
 def test_batch2_matches_two_batch1_calls(dit, inputs, backend, text_padding):
     _need(backend)
     x, prompts = inputs
     two = {**x, **batch_prompts(prompts), "latents": x["latents"].expand(2, -1, -1, -1)}
     out = fast_model_fn(dit, **two, attention_backend=backend, text_padding=text_padding)
+    # cudnn_fp8: V's per-tensor scale spans both samples at batch 2, one at batch 1 (other e4m3 roundings).
+    same_tol = 3e-2 if backend == "cudnn_fp8" else 1e-2
     for i, prompt in enumerate(prompts):
         one = fast_model_fn(dit, **x, **prompt, attention_backend=backend)
-        assert rel_err(out[i : i + 1], one) < 1e-2, (i, rel_err(out[i : i + 1], one))
-    # ... and the batch-1 forwards equal DiffSynth's (sdpa: same math; triton_fp8: 8-bit QK^T error).
+        assert rel_err(out[i : i + 1], one) < same_tol, (i, rel_err(out[i : i + 1], one))
+    # ... and the batch-1 forwards equal DiffSynth's (sdpa: same math; triton_fp8 / cudnn_fp8: 8-bit error).
     ref = _diffsynth(dit, x, prompts[1])
-    assert rel_err(out[1:], ref) < (BF16_TOL if backend != "triton_fp8" else FP8_TOL)
+    assert rel_err(out[1:], ref) < (BF16_TOL if backend not in ("triton_fp8", "cudnn_fp8") else FP8_TOL)
 
 
 def test_no_host_sync_in_a_warm_forward(dit, inputs):
@@ -130,7 +133,7 @@ def test_compiled_matches_eager_and_reuses_the_graph(dit, inputs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["sdpa", "triton_fp8"])
+@pytest.mark.parametrize("backend", ["sdpa", "triton_fp8", "cudnn_fp8"])
 def test_fused_fp8_compiled(dit, inputs, backend):
     _need(backend)
     x, prompts = inputs

@@ -51,6 +51,7 @@ def _qkv(b=1, h=2, s=96, d=64, dtype=torch.bfloat16, seed=0, k_bias=0.0):
 def test_registry_lists_every_backend():
     assert BACKENDS == (
         "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn", "triton_fp8", "gluon_int8",
+        "cudnn_fp8", "cudnn_fp8_emulated",
     )  # fmt: skip
     table = available_backends("cpu")
     assert set(table) == set(BACKENDS)

@@ -93,10 +93,11 @@ def test_diagnose_on_cpu_reports_no_gpu_with_reasons():
     d = diagnose("cpu")
     names = [line.name for line in d.lines]
     for expected in ("gpu", "compute capability", "fp8 compute", "torch", "CUDA", "cuDNN", "cuDNN loaded",
-                     "Transformer Engine", "flash-attn", "FlashAttention-3", "SDPA backend (Qwen-Image)",
-                     "recommendation"):
+                     "Transformer Engine", "flash-attn", "FlashAttention-3", "cuDNN FP8 attention",
+                     "SDPA backend (Qwen-Image)", "recommendation"):
         assert expected in names
     assert d.value("gpu") == "no GPU"
+    assert d.value("cuDNN FP8 attention") == "no"
     assert d.value("fp8 compute") == "unavailable"
     assert d.value("torch") == torch.__version__
     assert all(isinstance(line.reason, str) for line in d.lines)

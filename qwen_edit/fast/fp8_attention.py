@@ -1,0 +1,92 @@
+"""The block's joint attention through cuDNN's FP8 kernel (backend ``cudnn_fp8``), quantization folded in.
+
+The generic ``fp8.attention.attention(q, k, v, "cudnn_fp8")`` finds each scale with a pass over the
+tensor and dequantizes the output. Inside a block neither pass is needed:
+
+* q and k come out of RMSNorm + RoPE, so |q| <= sqrt(Dh) * max |norm weight|
+  (:func:`...fp8.attention.cudnn_fp8.rms_norm_bound`): a static per-tensor scale, and Inductor writes
+  e4m3 straight from the QK-norm / RoPE / concatenation kernel;
+* v has no such bound: one row-wise max fused into v's concatenation, then the cast;
+* the e4m3 output, in units of v's scale, feeds the row-wise fp8 output projections directly as a
+  :class:`.prequant.Prequantized` with that scale on every row, when both output projections are
+  row-wise fp8 GEMMs; otherwise it is dequantized to bf16.
+
+Shapes: q, k, v (B, S, H, Dh) joint ``[image, text]`` sequences, bf16. Right-padded text
+(``txt_lens``, true CFG's two prompts): one batched kernel call with cuDNN's padding mask (per-sample
+key lengths), so batch 2 also hands fp8 to the output projections. ``text_padding="mask"`` (an SDPA
+boolean mask) is refused for ``cudnn_fp8`` before any work: its ``split`` mode is the padding mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...fp8.attention.cudnn_fp8 import attention_quantized, quantize_per_tensor, quantize_with_bound, rms_norm_bound
+from .prequant import Prequantized
+
+__all__ = ["Fp8AttentionOutput", "cudnn_fp8_joint_attention", "split_output"]
+
+
+class Fp8AttentionOutput:
+    """e4m3 attention output (B, S, H * Dh) and its float32 descale (1, 1): value = out8.float() * descale."""
+
+    def __init__(self, out8: torch.Tensor, descale: torch.Tensor):
+        self.out8, self.descale = out8, descale
+
+
+def _joint_bound(attn: torch.nn.Module, norms: tuple[str, str], head_dim: int, device: torch.device) -> torch.Tensor:
+    """One bound for the joint q (or k): the larger of the image and text streams' RMSNorm bounds."""
+    bounds = [rms_norm_bound(getattr(getattr(attn, name), "weight", None), head_dim) for name in norms]
+    return torch.maximum(*(torch.as_tensor(b, dtype=torch.float32, device=device) for b in bounds))
+
+
+def cudnn_fp8_joint_attention(
+    attn: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    image_tokens: int,
+    txt_lens: tuple[torch.Tensor, ...] | None,
+    fp8_output: bool,
+    emulate: bool = False,
+) -> torch.Tensor | Fp8AttentionOutput:
+    """Attention over the joint sequence; (B, S, H * Dh) bf16, or :class:`Fp8AttentionOutput` when
+    ``fp8_output``. With ``txt_lens`` (right-padded text, :func:`.block.length_carriers`) one batched call
+    whose padding mask hides each sample's padded keys; padded query rows get finite values that the
+    forward discards (as with the SDPA key mask).
+
+    attn: the block's attention module (its ``norm_q`` / ``norm_added_q`` / ``norm_k`` / ``norm_added_k``
+    RMSNorms produced q and k). q, k, v: (B, S, H, Dh) bf16, S = image_tokens + L. ``emulate``: the
+    kernel's fp32 mirror instead of cuDNN (backend ``cudnn_fp8_emulated``).
+    """
+    head_dim = q.shape[-1]
+    q8, dq = quantize_with_bound(q, _joint_bound(attn, ("norm_q", "norm_added_q"), head_dim, q.device))
+    k8, dk = quantize_with_bound(k, _joint_bound(attn, ("norm_k", "norm_added_k"), head_dim, k.device))
+    v8, dv = quantize_per_tensor(v)
+    q8, k8, v8 = q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2)
+    lengths = None
+    if txt_lens is not None:
+        lengths = torch.tensor([image_tokens + c.shape[0] for c in txt_lens], dtype=torch.int32, device=q.device)
+    out8 = attention_quantized(q8, k8, v8, dq, dk, dv, emulate, lengths)
+    if fp8_output:
+        return Fp8AttentionOutput(out8, dv.reshape(1, 1))
+    return (out8.float() * dv.reshape(1, 1)).to(q.dtype)
+
+
+def split_output(out: torch.Tensor | Fp8AttentionOutput, image_tokens: int
+                 ) -> tuple[torch.Tensor | Prequantized, torch.Tensor | Prequantized]:
+    """The image rows and the text rows of the joint attention output, as the output projections' inputs.
+
+    bf16 (B, S, K) -> two views. :class:`Fp8AttentionOutput` -> two :class:`Prequantized` (rows, K) e4m3
+    with the per-tensor descale repeated as a (rows, 1) row-wise scale.
+    """
+    if not isinstance(out, Fp8AttentionOutput):
+        return out[:, :image_tokens], out[:, image_tokens:]
+    o8 = out.out8
+    b, _, width = o8.shape
+    parts = []
+    for rows in (o8[:, :image_tokens], o8[:, image_tokens:]):
+        n = rows.shape[1]
+        scale = out.descale.expand(b * n, 1).contiguous()
+        parts.append(Prequantized(rows.reshape(b * n, width), scale, b, n))
+    return parts[0], parts[1]
