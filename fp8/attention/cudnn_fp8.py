@@ -123,10 +123,12 @@ def _handle(device_index: int):
         return cudnn.create_handle()
 
 
-@functools.lru_cache(maxsize=_GRAPH_CACHE_SIZE)
-def _graph(device_index: int, shape: tuple, q_stride: tuple, k_stride: tuple, v_stride: tuple, padded: bool):
-    """A built cuDNN graph for e4m3 q/k/v (B, H, S, D) with these strides; output e4m3 (B, S, H, D) memory.
-    ``padded``: per-sample query / key lengths (int32 (B, 1, 1, 1)) through cuDNN's padding mask."""
+def operation_graph(device_index: int, shape: tuple, q_stride: tuple, k_stride: tuple, v_stride: tuple,
+                    padded: bool):
+    """(graph, ports): the validated cuDNN operation graph for e4m3 q/k/v (B, H, S, D) with these strides,
+    output e4m3 (B, S, H, D) memory, before any execution plan. ``padded``: per-sample query / key lengths
+    (int32 (B, 1, 1, 1)) through cuDNN's padding mask. Ports: q, k, v, the six scales, o, amax_s, amax_o
+    [, seq_len_q, seq_len_kv]."""
     cudnn = importlib.import_module("cudnn")
     e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
     handle = _handle(device_index)
@@ -154,12 +156,26 @@ def _graph(device_index: int, shape: tuple, q_stride: tuple, k_stride: tuple, v_
         amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
     graph.validate()
     graph.build_operation_graph()
+    return graph, (q, k, v, *scalars, o, amax_s, amax_o, *lengths)
+
+
+@functools.lru_cache(maxsize=_GRAPH_CACHE_SIZE)
+def _graph(device_index: int, shape: tuple, q_stride: tuple, k_stride: tuple, v_stride: tuple, padded: bool):
+    """(graph, ports, workspace bytes): :func:`operation_graph` with cuDNN's heuristic first plan built."""
+    cudnn = importlib.import_module("cudnn")
+    graph, ports = operation_graph(device_index, shape, q_stride, k_stride, v_stride, padded)
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     graph.build_plans()
     logger.info("built a cuDNN FP8 attention graph for shape %s on cuda:%d (padding mask: %s)", shape, device_index,
                 padded)  # fmt: skip
-    return graph, (q, k, v, *scalars, o, amax_s, amax_o, *lengths), graph.get_workspace_size()
+    return graph, ports, graph.get_workspace_size()
+
+
+@functools.lru_cache(maxsize=_GRAPH_CACHE_SIZE)
+def _full_lengths(device_index: int, batch: int, tokens: int) -> torch.Tensor:
+    """(batch, 1, 1, 1) int32 filled with ``tokens``: every query row, and every key when there is no padding."""
+    return torch.full((batch, 1, 1, 1), tokens, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
 @functools.cache
@@ -190,9 +206,10 @@ def run_kernel(
             raise ValueError(f"cudnn_fp8: {name} must have a contiguous head dim (stride {tuple(t.stride())})")
     cudnn = importlib.import_module("cudnn")
     index = q8.device.index
-    padded = seq_len_kv is not None
+    # Always the padding-mask graph: cuDNN runs it faster than the unmasked one at the DiT's shape
+    # (H200, S = 8492: 0.98 vs 1.10 ms at B = 1, 1.85 vs 2.12 ms at B = 2; same output).
     graph, ports, workspace_size = _graph(
-        index, tuple(q8.shape), tuple(q8.stride()), tuple(k8.stride()), tuple(v8.stride()), padded
+        index, tuple(q8.shape), tuple(q8.stride()), tuple(k8.stride()), tuple(v8.stride()), True
     )
     b, h, s, d = q8.shape
     out = torch.empty((b, s, h, d), dtype=torch.float8_e4m3fn, device=q8.device)
@@ -202,9 +219,9 @@ def run_kernel(
     scale_o = descale_v.reciprocal()
     tensors = [q8, k8, v8, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, out.transpose(1, 2),
                amax[0], amax[1]]  # fmt: skip
-    if padded:
-        lengths_q = torch.full((b, 1, 1, 1), s, dtype=torch.int32, device=q8.device)
-        tensors += [lengths_q, seq_len_kv.to(torch.int32).reshape(b, 1, 1, 1).contiguous()]
+    full = _full_lengths(index, b, s)
+    keys = full if seq_len_kv is None else seq_len_kv.to(torch.int32).reshape(b, 1, 1, 1).contiguous()
+    tensors += [full, keys]
     handle = _handle(index)
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q8.device).cuda_stream)
     graph.execute(dict(zip(ports, tensors, strict=True)), workspace, handle=handle)
@@ -229,9 +246,10 @@ def reference_kernel(
     For CPU machines (``cudnn_fp8_emulated``) and for checking the kernel; materializes (S, S) per head.
     """
     b, h, s, d = q8.shape
-    out = torch.empty((b, s, h, d), dtype=torch.float8_e4m3fn, device=q8.device)
     scale = d**-0.5
+    samples = []
     for bi in range(b):
+        heads = []
         for hi in range(h):
             q = q8[bi, hi].float() * descale_q.reshape(())
             k = k8[bi, hi].float() * descale_k.reshape(())
@@ -241,9 +259,10 @@ def reference_kernel(
                 scores = scores.masked_fill(padding, float("-inf"))
             p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
             p8 = (p * E4M3_MAX).to(torch.float8_e4m3fn).float() / E4M3_MAX
-            o = (p8 @ v8[bi, hi].float()) / p.sum(dim=-1, keepdim=True)
-            out[bi, :, hi] = o.to(torch.float8_e4m3fn)
-    return out
+            heads.append((p8 @ v8[bi, hi].float()) / p.sum(dim=-1, keepdim=True))
+        samples.append(torch.stack(heads, dim=1))
+    # One cast at the end: Inductor (CPU) cannot lower stores into an e4m3 buffer (bool/e4m3 promotion).
+    return torch.stack(samples).to(torch.float8_e4m3fn)
 
 
 def attention_quantized(

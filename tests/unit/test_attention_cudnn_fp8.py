@@ -127,3 +127,15 @@ def test_mask_padding_is_refused_for_fp8_attention():
     with pytest.raises(ValueError, match="text_padding='mask'"):
         fast_model_fn(dit, **shared, latents=x["latents"].expand(2, -1, -1, -1), **batch_prompts([x, other]),
                       attention_backend="cudnn_fp8_emulated", text_padding="mask")  # fmt: skip
+
+
+def test_mirror_compiles_with_inductor():
+    """The fastest workflow compiles its blocks; on a CPU test server the mirror goes through Inductor too."""
+    q, k, v = _qkv(s=64, d=32)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: attention(q, k, v, "cudnn_fp8_emulated"), fullgraph=True)
+    try:
+        out = compiled(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    assert rel(out, attention(q, k, v, "cudnn_fp8_emulated")) < 1e-2
