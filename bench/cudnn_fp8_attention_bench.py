@@ -5,6 +5,7 @@ Run from the repository root on the device machine, with the cudnn-frontend whee
 ``.whl`` (``source bench/device_env.sh`` installs it)::
 
     python3 bench/cudnn_fp8_attention_bench.py     # $OUT/cudnn_fp8_attention.json, table last
+    python3 bench/cudnn_fp8_attention_bench.py --plans   # every engine config of the pack's graph, timed
 
 What it measures, at S = 8492, H = 24, D = 128, B = 1 and 2, q/k/v in the DiT's (B, S, H, D) memory:
 
@@ -139,8 +140,65 @@ def timing_rows(b: int, device) -> list[dict]:
     return rows
 
 
+def plan_sweep(b: int, padded: bool, device) -> list[dict]:
+    """Every engine configuration cuDNN offers for the pack's graph (heuristics A, B and fallback), timed,
+    and each one's output against bf16 SDPA (padded: every sample's lengths are the full S, so the output
+    must equal the unpadded graph's).
+
+    Uses the pack's own graph builder (``fp8.attention.cudnn_fp8.operation_graph``), so the plans are the
+    ones the shipped path chooses from; it runs the first one heuristic A gives.
+    """
+    from qwen_edit_hopper.fp8.attention import cudnn_fp8 as cf
+
+    s = 8492
+    q, k, v = (bshd_view(t) for t in ab.make_inputs(b, s, "gauss", 0, device))
+    (q8, dq), (k8, dk), (v8, dv) = cf.quantize_per_tensor(q), cf.quantize_per_tensor(k), cf.quantize_per_tensor(v)
+    index = torch.cuda.current_device()
+    graph, ports = cf.operation_graph(index, tuple(q8.shape), tuple(q8.stride()), tuple(k8.stride()),
+                                      tuple(v8.stride()), padded)  # fmt: skip
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+    graph.build_plans(cudnn.build_plan_policy.ALL)
+    out = torch.empty(b, s, ab.H, ab.D, dtype=torch.float8_e4m3fn, device=device)
+    scale_s, descale_s = cf._p_scales(index)
+    tensors = [q8, k8, v8, dq, dk, dv, descale_s, scale_s, dv.reciprocal(), out.transpose(1, 2),
+               torch.empty(1, 1, 1, 1, device=device), torch.empty(1, 1, 1, 1, device=device)]  # fmt: skip
+    if padded:
+        tensors += [torch.full((b, 1, 1, 1), s, dtype=torch.int32, device=device),
+                    torch.full((b, 1, 1, 1), s, dtype=torch.int32, device=device)]  # fmt: skip
+    pack = dict(zip(ports, tensors, strict=True))
+    handle = cf._handle(index)
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    flops = 4 * b * ab.H * s * s * ab.D
+    reference_bf16 = sdpa_cudnn(q, k, v)
+    rows = []
+    for i in range(graph.get_execution_plan_count()):
+        try:
+            ws = torch.empty(max(graph.get_workspace_size_plan_at_index(i), 1), dtype=torch.uint8, device=device)
+            times = ab.time_fn(lambda _j, i=i, ws=ws: graph.execute_plan_at_index(pack, ws, i, handle=handle), 1)
+            ms = statistics.median(times)
+            diff = ab.rel_err((out.float() * dv).reshape(b, s, -1), reference_bf16.double())
+            row = {"B": b, "padded": padded, "plan": i, "name": graph.get_plan_name_at_index(i), "ms": round(ms, 4),
+                   "tflops": round(flops / ms / 1e9, 1), "rel_diff_vs_sdpa": diff}  # fmt: skip
+        except Exception as exc:
+            row = {"B": b, "padded": padded, "plan": i, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> int:
     device = torch.device("cuda")
+    if "--plans" in sys.argv:
+        cases = ((1, False), (1, True), (2, False), (2, True))
+        rows = [r for b, padded in cases for r in plan_sweep(b, padded, device)]
+        out = Path(os.environ.get("OUT", "bench/out"))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "cudnn_fp8_plans.json").write_text(json.dumps(rows, indent=1))
+        for r in rows:
+            print(f"  B={r['B']} padded={r['padded']!s:5} plan {r['plan']:2d} "
+                  + (f"{r['ms']:7.3f} ms {r['tflops']:6.0f} TFLOP/s {r['name']} "
+                     f"diff vs bf16 {r['rel_diff_vs_sdpa']:.2e}" if "ms" in r else r["error"]))
+        return 0
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": cudnn.backend_version(),
            "accuracy": [], "timing": []}  # fmt: skip
     for s, b in ((300, 1), (2304, 1), (8492, 1), (8492, 2)):
