@@ -74,7 +74,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
     parser.add_argument("--attention", nargs="+", metavar="BACKEND",
                         help="instead of the kernel variants: the shipped preset with each attention backend "
-                             "(the first one again at the end), no micro-benchmarks")  # fmt: skip
+                             "(the first one again at the end), no micro-benchmarks; cudnn_fp8-inductor-qk is "
+                             "cudnn_fp8 without the fused QK norm + RoPE + quantize kernel")  # fmt: skip
     args = parser.parse_args()
     load_pack()
     from qwen_edit_hopper.fp8 import Fp8Config
@@ -107,13 +108,16 @@ def main() -> int:
             ("fastest preset, Inductor quantization (again: clock drift over the run)", fast_accum, False, False,
              "sdpa"),
         ]
+    from qwen_edit_hopper.qwen_edit.fast import fp8_attention, prequant
     from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
-    from qwen_edit_hopper.qwen_edit.fast import prequant
 
     with dynamo_settings():
         for label, config, fused_gelu, fused_norm, backend in variants:
             torch._dynamo.reset()
             fast_mlp.FUSED_GELU_QUANT, prequant.FUSED_NORM_QUANT = fused_gelu, fused_norm
+            # "cudnn_fp8-inductor-qk": cudnn_fp8 with QK norm + RoPE + e4m3 cast left to Inductor
+            fp8_attention.FUSED_QK_QUANT = not backend.endswith("-inductor-qk")
+            backend = backend.removesuffix("-inductor-qk")
             module = build_fp8_dit(base, config)
             ff.compile_blocks(module)
 

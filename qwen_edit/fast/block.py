@@ -218,16 +218,17 @@ def fast_block(
                                                         selector, img_fp8))
     q_t, k_t, v_t = _qkv(attn, txt_qkv, modulated_input(text, block.txt_norm1.eps, txt_mod, 0, 1, txt_p[0], txt_p[1],
                                                         None, txt_fp8))
-    cos_i, sin_i, cos_t, sin_t = cos[:si], sin[:si], cos[si:], sin[si:]
-    q = torch.cat([qk_norm_rope(q_i, attn.norm_q.weight, attn.norm_q.eps, cos_i, sin_i),
-                   qk_norm_rope(q_t, attn.norm_added_q.weight, attn.norm_added_q.eps, cos_t, sin_t)], dim=1)
-    k = torch.cat([qk_norm_rope(k_i, attn.norm_k.weight, attn.norm_k.eps, cos_i, sin_i),
-                   qk_norm_rope(k_t, attn.norm_added_k.weight, attn.norm_added_k.eps, cos_t, sin_t)], dim=1)
     v = torch.cat([v_i, v_t], dim=1)
     if backend in ("cudnn_fp8", "cudnn_fp8_emulated") and key_mask is None:
         fp8_out = takes_prequantized(attn.to_out[0]) and takes_prequantized(attn.to_add_out)
-        out = cudnn_fp8_joint_attention(attn, q, k, v, si, txt_lens, fp8_out, backend == "cudnn_fp8_emulated")
+        out = cudnn_fp8_joint_attention(attn, (q_i, q_t), (k_i, k_t), v, cos, sin, txt_lens, fp8_out,
+                                        backend == "cudnn_fp8_emulated")
     else:
+        cos_i, sin_i, cos_t, sin_t = cos[:si], sin[:si], cos[si:], sin[si:]
+        q = torch.cat([qk_norm_rope(q_i, attn.norm_q.weight, attn.norm_q.eps, cos_i, sin_i),
+                       qk_norm_rope(q_t, attn.norm_added_q.weight, attn.norm_added_q.eps, cos_t, sin_t)], dim=1)
+        k = torch.cat([qk_norm_rope(k_i, attn.norm_k.weight, attn.norm_k.eps, cos_i, sin_i),
+                       qk_norm_rope(k_t, attn.norm_added_k.weight, attn.norm_added_k.eps, cos_t, sin_t)], dim=1)
         out = joint_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), si, txt_lens, key_mask,
                               backend)
     img_attn, txt_attn = split_output(out, si)

@@ -4,8 +4,9 @@ The generic ``fp8.attention.attention(q, k, v, "cudnn_fp8")`` finds each scale w
 tensor and dequantizes the output. Inside a block neither pass is needed:
 
 * q and k come out of RMSNorm + RoPE, so |q| <= sqrt(Dh) * max |norm weight|
-  (:func:`...fp8.attention.cudnn_fp8.rms_norm_bound`): a static per-tensor scale, and Inductor writes
-  e4m3 straight from the QK-norm / RoPE / concatenation kernel;
+  (:func:`...fp8.attention.cudnn_fp8.rms_norm_bound`): a static per-tensor scale, and one Triton kernel
+  per q / k (:mod:`...fp8.qk_norm_quant`) reads both streams' projections and writes the joint e4m3
+  sequence (on CPU, or with ``QWEN_EDIT_FUSED_QK_QUANT=0``, the same math in torch ops);
 * v has no such bound: one row-wise max fused into v's concatenation, then the cast;
 * the e4m3 output, in units of v's scale, feeds the row-wise fp8 output projections directly as a
   :class:`.prequant.Prequantized` with that scale on every row, when both output projections are
@@ -19,12 +20,25 @@ boolean mask) is refused for ``cudnn_fp8`` before any work: its ``split`` mode i
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from ...fp8.attention.cudnn_fp8 import attention_quantized, quantize_per_tensor, quantize_with_bound, rms_norm_bound
+from ...fp8.attention.cudnn_fp8 import (
+    E4M3_MAX,
+    attention_quantized,
+    quantize_per_tensor,
+    quantize_with_bound,
+    rms_norm_bound,
+)
+from ...fp8.qk_norm_quant import qk_norm_quant_problem, qk_norm_rope_quantize
 from .prequant import Prequantized
 
-__all__ = ["Fp8AttentionOutput", "cudnn_fp8_joint_attention", "split_output"]
+__all__ = ["FUSED_QK_QUANT", "Fp8AttentionOutput", "cudnn_fp8_joint_attention", "split_output"]
+
+FUSED_QK_QUANT = os.environ.get("QWEN_EDIT_FUSED_QK_QUANT", "1") != "0"
+"""QK RMSNorm + RoPE + e4m3 cast in one Triton kernel per q / k (:mod:`...fp8.qk_norm_quant`) where it can
+run; ``QWEN_EDIT_FUSED_QK_QUANT=0`` leaves it to Inductor (the benchmark times both)."""
 
 
 class Fp8AttentionOutput:
@@ -40,12 +54,30 @@ def _joint_bound(attn: torch.nn.Module, norms: tuple[str, str], head_dim: int, d
     return torch.maximum(*(torch.as_tensor(b, dtype=torch.float32, device=device) for b in bounds))
 
 
+def _norm_rope_quantize(attn: torch.nn.Module, parts: tuple[torch.Tensor, torch.Tensor], norms: tuple[str, str],
+                        cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One of q / k: both streams through their RMSNorm and RoPE into the joint e4m3 sequence, and its descale."""
+    from .block import qk_norm_rope  # here, not at import: block imports this module
+
+    image, text = parts
+    bound = _joint_bound(attn, norms, image.shape[-1], image.device)
+    n_img, n_txt = (getattr(attn, name) for name in norms)
+    if fused:
+        x8 = qk_norm_rope_quantize(image, text, n_img.weight, n_txt.weight, n_img.eps, n_txt.eps, cos, sin, bound)
+        return x8, (bound / E4M3_MAX).reshape(1, 1, 1, 1)
+    si = image.shape[1]
+    joint = torch.cat([qk_norm_rope(image, n_img.weight, n_img.eps, cos[:si], sin[:si]),
+                       qk_norm_rope(text, n_txt.weight, n_txt.eps, cos[si:], sin[si:])], dim=1)  # fmt: skip
+    return quantize_with_bound(joint, bound)
+
+
 def cudnn_fp8_joint_attention(
     attn: torch.nn.Module,
-    q: torch.Tensor,
-    k: torch.Tensor,
+    q_parts: tuple[torch.Tensor, torch.Tensor],
+    k_parts: tuple[torch.Tensor, torch.Tensor],
     v: torch.Tensor,
-    image_tokens: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     txt_lens: tuple[torch.Tensor, ...] | None,
     fp8_output: bool,
     emulate: bool = False,
@@ -56,21 +88,25 @@ def cudnn_fp8_joint_attention(
     forward discards (as with the SDPA key mask).
 
     attn: the block's attention module (its ``norm_q`` / ``norm_added_q`` / ``norm_k`` / ``norm_added_k``
-    RMSNorms produced q and k). q, k, v: (B, S, H, Dh) bf16, S = image_tokens + L. ``emulate``: the
-    kernel's fp32 mirror instead of cuDNN (backend ``cudnn_fp8_emulated``).
+    RMSNorms). q_parts, k_parts: (image, text) projections before QK RMSNorm and RoPE, (B, S_img, H, Dh) and
+    (B, L, H, Dh) bf16, any strides with Dh contiguous. v: (B, S, H, Dh) joint values, S = S_img + L.
+    cos, sin: (S, Dh // 2) float32 RoPE tables. ``emulate``: the kernel's fp32 mirror instead of cuDNN
+    (backend ``cudnn_fp8_emulated``).
     """
-    head_dim = q.shape[-1]
-    q8, dq = quantize_with_bound(q, _joint_bound(attn, ("norm_q", "norm_added_q"), head_dim, q.device))
-    k8, dk = quantize_with_bound(k, _joint_bound(attn, ("norm_k", "norm_added_k"), head_dim, k.device))
+    image_tokens = q_parts[0].shape[1]
+    fused = (FUSED_QK_QUANT and not emulate and v.dtype == torch.bfloat16
+             and qk_norm_quant_problem(v.device, v.shape[-1]) is None)
+    q8, dq = _norm_rope_quantize(attn, q_parts, ("norm_q", "norm_added_q"), cos, sin, fused)
+    k8, dk = _norm_rope_quantize(attn, k_parts, ("norm_k", "norm_added_k"), cos, sin, fused)
     v8, dv = quantize_per_tensor(v)
     q8, k8, v8 = q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2)
     lengths = None
     if txt_lens is not None:
-        lengths = torch.tensor([image_tokens + c.shape[0] for c in txt_lens], dtype=torch.int32, device=q.device)
+        lengths = torch.tensor([image_tokens + c.shape[0] for c in txt_lens], dtype=torch.int32, device=v.device)
     out8 = attention_quantized(q8, k8, v8, dq, dk, dv, emulate, lengths)
     if fp8_output:
         return Fp8AttentionOutput(out8, dv.reshape(1, 1))
-    return (out8.float() * dv.reshape(1, 1)).to(q.dtype)
+    return (out8.float() * dv.reshape(1, 1)).to(v.dtype)
 
 
 def split_output(out: torch.Tensor | Fp8AttentionOutput, image_tokens: int

@@ -318,3 +318,23 @@ def test_cudnn_fp8_kernel_matches_its_mirror():
     mirror = cf.attention_quantized(q8, k8, v8, dq, dk, dv, emulate=True).float()
     diff = relative_error(kernel, mirror)
     assert diff < 3e-2, f"{diff:.2e}"
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_fused_qk_norm_rope_quantize_matches_its_reference(b):
+    """fp8/qk_norm_quant.py on the GPU (round-to-nearest casts) against the torch reference, DiT-like strides."""
+    from qwen_edit_hopper.fp8.qk_norm_quant import qk_norm_rope_quantize, reference_qk_norm_rope_quantize
+
+    g = torch.Generator(device="cuda").manual_seed(b)
+    si, st = 1024, 77
+    qkv = (torch.randn(b, si, 3, H, D, generator=g, device="cuda") * 2 + 0.5).bfloat16()
+    x_txt = (torch.randn(b, st, 3, H, D, generator=g, device="cuda") * 3).bfloat16()[:, :, 1]
+    w_img = (1.5 + 0.3 * torch.randn(D, generator=g, device="cuda")).bfloat16()
+    w_txt = (1.2 + 0.3 * torch.randn(D, generator=g, device="cuda")).bfloat16()
+    angles = torch.rand(si + st, D // 2, generator=g, device="cuda") * 6.3
+    bound = torch.tensor(D**0.5 * 1.02 * 2.4, device="cuda")
+    args = (qkv[:, :, 0], x_txt, w_img, w_txt, 1e-6, 1e-5, angles.cos(), angles.sin(), bound)
+    got, want = qk_norm_rope_quantize(*args), reference_qk_norm_rope_quantize(*args)
+    assert got.shape == (b, si + st, H, D) and got.is_contiguous()
+    assert (got.float() == want.float()).float().mean() > 0.99
+    assert relative_error(got.float(), want.float()) < 1e-2

@@ -1,0 +1,149 @@
+"""QK RMSNorm + interleaved RoPE + per-tensor e4m3 cast, written into the joint sequence (Triton, CUDA).
+
+Before FP8 attention, each of q and k is two streams (image tokens, text tokens) of shape
+(B, S_stream, H, Dh), often strided views into a fused QKV GEMM output. Each goes through RMSNorm over
+Dh with its stream's weight, then the rotary embedding on channel pairs (2i, 2i+1), then lands in the
+joint (B, S_img + S_txt, H, Dh) sequence as e4m3 with one per-tensor scale (448 / ``bound``). Inductor
+does this in three kernels (statistics, the pointwise rest, the text stream) at about 1.5 TB/s: on an
+H200 about 13 ms of a 208 ms forward for q and k together (docs/benchmarks.md). This kernel reads each
+element once and writes one byte: one program per (token, group of heads), the row in registers.
+
+Numerics: those of ``qwen_edit.fast.block.qk_norm_rope`` (compiled path) followed by
+``fp8.attention.cudnn_fp8.quantize_with_bound``: RMS in float32, normalized value rounded to bf16, times
+the weight rounded to bf16, rotation in float32 rounded to bf16, then ``x * (448 / bound)`` clamped and
+rounded to nearest even e4m3.
+
+Limits: CUDA tensors, bf16 inputs whose last dim is contiguous, Dh a power of two (the pair split), H
+divisible by the head group (8, 4, 2 or 1). Callers check :func:`qk_norm_quant_problem`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gelu_quant import gelu_quant_problem
+from .quant import E4M3_MAX, FP8_DTYPE
+
+__all__ = ["OP_NAME", "qk_norm_quant_problem", "qk_norm_rope_quantize", "reference_qk_norm_rope_quantize"]
+
+OP_NAME = "qwen_edit_hopper::qk_norm_rope_quantize"
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+except ImportError:  # pragma: no cover - depends on the torch build; gelu_quant_problem reports it
+    triton = None
+
+
+def _head_group(heads: int) -> int:
+    return next(g for g in (8, 4, 2, 1) if heads % g == 0)
+
+
+def qk_norm_quant_problem(device: torch.device, head_dim: int) -> str | None:
+    """Why the kernel cannot run for heads of ``head_dim`` on ``device``, or None when it can."""
+    problem = gelu_quant_problem(device, head_dim)
+    if problem is not None:
+        return problem.replace("fused GELU + quantize kernel", "fused QK norm + RoPE + quantize kernel")
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        return f"head dim {head_dim} is not a power of two"
+    return None
+
+
+def reference_qk_norm_rope_quantize(x_img, x_txt, w_img, w_txt, eps_img, eps_txt, cos, sin, bound):
+    """What the kernel computes, in plain torch (any device): the block's eager math, then the e4m3 cast."""
+    from .attention.cudnn_fp8 import quantize_with_bound
+
+    def stream(x, w, eps, c, s):
+        y = torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
+        if w is not None:
+            y = y * w
+        pairs = y.float().unflatten(-1, (-1, 2))
+        re, im = pairs[..., 0], pairs[..., 1]
+        c, s = c[:, None, :], s[:, None, :]
+        return torch.stack((re * c - im * s, re * s + im * c), dim=-1).flatten(-2).to(x.dtype)
+
+    si = x_img.shape[1]
+    joint = torch.cat([stream(x_img, w_img, eps_img, cos[:si], sin[:si]),
+                       stream(x_txt, w_txt, eps_txt, cos[si:], sin[si:])], dim=1)  # fmt: skip
+    return quantize_with_bound(joint, bound)[0]
+
+
+if triton is not None:
+    from .attention.triton_fp8 import _to_e4m3, interpreter_active
+
+    _E4M3_MAX = tl.constexpr(E4M3_MAX)
+
+    @triton.jit
+    def _qk_norm_rope_quant_kernel(img_ptr, txt_ptr, w_img_ptr, w_txt_ptr, cos_ptr, sin_ptr, bound_ptr, out_ptr,
+                                   s_img, s_joint, heads, sib, sis, sih, stb, sts, sth, eps_img, eps_txt,
+                                   HG: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
+        row = tl.program_id(0).to(tl.int64)
+        group = tl.program_id(1)
+        b = row // s_joint
+        t = row % s_joint
+        hs = group * HG + tl.arange(0, HG)
+        dims = tl.arange(0, HEAD_DIM)
+        if t < s_img:
+            ptrs = img_ptr + b * sib + t * sis + hs[:, None] * sih + dims[None, :]
+            w_ptrs = w_img_ptr + dims
+            eps = eps_img
+        else:
+            ptrs = txt_ptr + b * stb + (t - s_img) * sts + hs[:, None] * sth + dims[None, :]
+            w_ptrs = w_txt_ptr + dims
+            eps = eps_txt
+        x = tl.load(ptrs).to(tl.float32)
+        rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+        y = (x * rms[:, None]).to(tl.bfloat16).to(tl.float32)
+        y = (y * tl.load(w_ptrs).to(tl.float32)[None, :]).to(tl.bfloat16).to(tl.float32)
+        re, im = tl.split(tl.reshape(y, (HG, HEAD_DIM // 2, 2)))
+        half = tl.arange(0, HEAD_DIM // 2)
+        c = tl.load(cos_ptr + t * (HEAD_DIM // 2) + half)[None, :]
+        s = tl.load(sin_ptr + t * (HEAD_DIM // 2) + half)[None, :]
+        o_re = (re * c - im * s).to(tl.bfloat16).to(tl.float32)
+        o_im = (re * s + im * c).to(tl.bfloat16).to(tl.float32)
+        o = tl.reshape(tl.join(o_re, o_im), (HG, HEAD_DIM))
+        inv = _E4M3_MAX / tl.load(bound_ptr)
+        q = tl.clamp(o * inv, -_E4M3_MAX, _E4M3_MAX)
+        out = out_ptr + row * heads * HEAD_DIM + hs[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(out, _to_e4m3(q, INTERPRET))
+
+    @triton_op(OP_NAME, mutates_args={})
+    def _qk_norm_rope_quantize_op(x_img: torch.Tensor, x_txt: torch.Tensor, w_img: torch.Tensor,
+                                  w_txt: torch.Tensor, eps_img: float, eps_txt: float, cos: torch.Tensor,
+                                  sin: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+        b, si, h, d = x_img.shape
+        sj = si + x_txt.shape[1]
+        out = torch.empty((b, sj, h, d), dtype=FP8_DTYPE, device=x_img.device)
+        group = _head_group(h)
+        wrap_triton(_qk_norm_rope_quant_kernel)[(b * sj, h // group)](
+            x_img, x_txt, w_img, w_txt, cos, sin, bound, out, si, sj, h,
+            x_img.stride(0), x_img.stride(1), x_img.stride(2), x_txt.stride(0), x_txt.stride(1), x_txt.stride(2),
+            eps_img, eps_txt, HG=group, HEAD_DIM=d, INTERPRET=interpreter_active(), num_warps=4,
+        )  # fmt: skip
+        return out
+
+
+def qk_norm_rope_quantize(x_img: torch.Tensor, x_txt: torch.Tensor, w_img: torch.Tensor | None,
+                          w_txt: torch.Tensor | None, eps_img: float, eps_txt: float, cos: torch.Tensor,
+                          sin: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Fused RMSNorm + RoPE + e4m3 cast of one of q / k (layout and numerics: module docstring).
+
+    x_img: (B, S_img, H, Dh), x_txt: (B, S_txt, H, Dh) bf16 CUDA, last dim contiguous (other strides free);
+    w_img / w_txt: (Dh,) RMSNorm weights or None; cos, sin: (S_img + S_txt, Dh // 2) float32; bound: a
+    float32 scalar tensor >= max |result|. Returns (B, S_img + S_txt, H, Dh) float8_e4m3fn, contiguous, in
+    units of ``bound / 448``. Raises ValueError with the reason where the kernel cannot run.
+    """
+    d = x_img.shape[-1]
+    problem = qk_norm_quant_problem(x_img.device, d)
+    if problem is not None:
+        raise ValueError(problem)
+    if x_img.dtype != torch.bfloat16 or x_txt.dtype != torch.bfloat16 or x_img.stride(-1) != 1 or x_txt.stride(-1) != 1:
+        raise ValueError(f"qk_norm_rope_quantize takes bf16 (B, S, H, Dh) inputs with a contiguous last dim, got "
+                         f"{x_img.dtype} strides {x_img.stride()} and {x_txt.dtype} strides {x_txt.stride()}")
+    ones = None if w_img is not None and w_txt is not None else torch.ones(d, dtype=x_img.dtype, device=x_img.device)
+    return _qk_norm_rope_quantize_op(
+        x_img, x_txt, (w_img if w_img is not None else ones).to(x_img.dtype).contiguous(),
+        (w_txt if w_txt is not None else ones).to(x_img.dtype).contiguous(), float(eps_img), float(eps_txt),
+        cos.float().contiguous(), sin.float().contiguous(), bound.float().reshape(1),
+    )  # fmt: skip
