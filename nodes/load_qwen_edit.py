@@ -28,15 +28,25 @@ EMULABLE_ATTENTION = {"cudnn_fp8": "cudnn_fp8_emulated"}
 """Attention backends that QWEN_EDIT_FP8_EMULATE=1 replaces by an fp32 mirror where they cannot run."""
 
 
-def emulated_attention(attention: str, reason: str) -> tuple[str, str] | None:
-    """(backend, note) when QWEN_EDIT_FP8_EMULATE=1 lets ``attention`` run as its mirror here, else None."""
+def resolve_attention(attention: str) -> tuple[str, str, str | None]:
+    """(backend to run, note, problem) for the widget value on this server's device.
+
+    A backend that cannot run here gives a problem naming the reason, unless QWEN_EDIT_FP8_EMULATE=1 lets
+    it run as its fp32 mirror: then the mirror's name and a note that says EMULATED.
+    """
+    from ..fp8.attention import check_backend
     from .apply_fp8 import EMULATE_ENV
 
-    if os.environ.get(EMULATE_ENV) != "1" or attention not in EMULABLE_ATTENTION:
-        return None
-    mirror = EMULABLE_ATTENTION[attention]
-    return mirror, (f"EMULATED: attention {attention} cannot run here ({reason}); {EMULATE_ENV}=1 runs it as "
-                    f"{mirror}, an fp32 mirror of its FP8 numerics (no speed)")
+    if attention == "auto":
+        return attention, "", None
+    ok, reason = check_backend(attention, mm.get_torch_device())
+    if ok:
+        return attention, "", None
+    if os.environ.get(EMULATE_ENV) == "1" and attention in EMULABLE_ATTENTION:
+        mirror = EMULABLE_ATTENTION[attention]
+        return mirror, (f"EMULATED: attention {attention} cannot run here ({reason}); {EMULATE_ENV}=1 runs it "
+                        f"as {mirror}, an fp32 mirror of its FP8 numerics (no speed)"), None
+    return attention, "", f"attention {attention} cannot run here: {reason}"
 
 
 class LoadQwenEdit(io.ComfyNode):
@@ -81,15 +91,12 @@ class LoadQwenEdit(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, diffusion_model, text_encoder, vae, diffusers_folder, variant, attention):
-        from ..fp8.attention import check_backend
-
         problem = check_choices(variant=(variant, VARIANT_CHOICES), attention=(attention, ATTENTION_CHOICES))
         if problem:
             return problem
-        if attention != "auto":
-            ok, reason = check_backend(attention, mm.get_torch_device())
-            if not ok and emulated_attention(attention, reason) is None:
-                return f"attention {attention} cannot run here: {reason}"
+        _, _, attention_problem = resolve_attention(attention)
+        if attention_problem:
+            return attention_problem
         try:
             if diffusers_folder != NO_FOLDER:
                 diffusers_folder_path(diffusers_folder)
@@ -122,14 +129,7 @@ class LoadQwenEdit(io.ComfyNode):
             chosen, reason = VARIANT_BY_NAME[info.name], info.reason
         else:
             chosen, reason = Variant(variant), "chosen by the user"
-        note = ""
-        if attention != "auto":
-            from ..fp8.attention import check_backend
-
-            ok, why = check_backend(attention, mm.get_torch_device())
-            emulated = None if ok else emulated_attention(attention, why)
-            if emulated is not None:
-                attention, note = emulated
+        attention, note, _ = resolve_attention(attention)
         plan = PipePlan(files=files, variant=chosen, variant_reason=reason, attention=attention)
         info = f"layout: {files.layout}\n{plan.describe()}" + (f"\n{note}" if note else "")
         return io.NodeOutput(plan, info, ui=ui.PreviewText(info))

@@ -12,7 +12,8 @@ tensor and dequantizes the output. Inside a block neither pass is needed:
   :class:`.prequant.Prequantized` with that scale on every row, when both output projections are
   row-wise fp8 GEMMs; otherwise it is dequantized to bf16.
 
-Shapes: q, k, v (B, S, H, Dh) joint ``[image, text]`` sequences, bf16. Right-padded text
+Shapes: q and k arrive per stream (image, text) before their RMSNorm; v as the joint ``[image, text]``
+(B, S, H, Dh) sequence; all bf16. Right-padded text
 (``txt_lens``, true CFG's two prompts): one batched kernel call with cuDNN's padding mask (per-sample
 key lengths), so batch 2 also hands fp8 to the output projections. ``text_padding="mask"`` (an SDPA
 boolean mask) is refused for ``cudnn_fp8`` before any work: its ``split`` mode is the padding mask.

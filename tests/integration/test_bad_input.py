@@ -168,3 +168,10 @@ def test_sampler_without_a_pipe_plan(comfy, picture):
               "4": {"class_type": "SaveImage", "inputs": {"images": ["3", 0], "filename_prefix": "x"}}}
     message = rejected(comfy, prompt)
     assert "pipe" in message or "QWEN_EDIT" in message
+
+
+def test_fp8_attention_that_cannot_run_is_refused_with_the_reason(comfy, picture, baseline):
+    """cudnn_fp8 on this CPU server (no QWEN_EDIT_FP8_EMULATE): refused at validation, naming input and reason."""
+    message = rejected(comfy, edit_prompt(picture, load=loader(attention="cudnn_fp8")))
+    assert "attention cudnn_fp8 cannot run here" in message and "CUDA" in message
+    assert_server_still_works(comfy, picture, baseline)
