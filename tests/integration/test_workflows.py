@@ -68,7 +68,11 @@ def test_every_api_twin_completes_and_writes_its_image(emulating_comfy: ComfySer
     if name == "qwen_edit_benchmark":
         assert "| variant |" in texts and "CPU figures" in texts
     if name == "qwen_edit_fastest":  # no Hopper GPU here: the FP8 attention runs as its mirror, and says so
-        assert "EMULATED: attention cudnn_fp8" in texts and "attention: cudnn_fp8_emulated" in texts
+        # In this run's outputs, or in the first run of these inputs on this shared server (the browser test
+        # runs the same prompt; ComfyUI reports no UI text for cached nodes).
+        history = json.dumps(emulating_comfy.get("/history").json())
+        assert "EMULATED: attention cudnn_fp8" in history  # the Load node's note
+        assert "+ cudnn_fp8_emulated" in history  # the Sampler's label of the pipe it ran
     print(f"{name}: {time.monotonic() - started:.1f} s")
 
 
