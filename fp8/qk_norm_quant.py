@@ -1,7 +1,8 @@
 """QK RMSNorm + interleaved RoPE + per-tensor e4m3 cast, written into the joint sequence (Triton, CUDA).
 
 Before FP8 attention, each of q and k is two streams (image tokens, text tokens) of shape
-(B, S_stream, H, Dh), often strided views into a fused QKV GEMM output. Each goes through RMSNorm over
+(B, S_stream, H, Dh), often strided views into a fused QKV GEMM output whose bias is not yet added
+(the kernel adds it, in bf16 as the linear layer would). Each goes through RMSNorm over
 Dh with its stream's weight, then the rotary embedding on channel pairs (2i, 2i+1), then lands in the
 joint (B, S_img + S_txt, H, Dh) sequence as e4m3 with one per-tensor scale (448 / ``bound``). Inductor
 does this in three kernels (statistics, the pointwise rest, the text stream) at about 1.5 TB/s: on an
@@ -50,11 +51,14 @@ def qk_norm_quant_problem(device: torch.device, head_dim: int) -> str | None:
     return None
 
 
-def reference_qk_norm_rope_quantize(x_img, x_txt, w_img, w_txt, eps_img, eps_txt, cos, sin, bound):
+def reference_qk_norm_rope_quantize(x_img, x_txt, w_img, w_txt, eps_img, eps_txt, cos, sin, bound, b_img=None,
+                                    b_txt=None):
     """What the kernel computes, in plain torch (any device): the block's eager math, then the e4m3 cast."""
     from .attention.cudnn_fp8 import quantize_with_bound
 
-    def stream(x, w, eps, c, s):
+    def stream(x, w, eps, c, s, bias):
+        if bias is not None:
+            x = x + bias.to(x.dtype)
         y = torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
         if w is not None:
             y = y * w
@@ -64,8 +68,8 @@ def reference_qk_norm_rope_quantize(x_img, x_txt, w_img, w_txt, eps_img, eps_txt
         return torch.stack((re * c - im * s, re * s + im * c), dim=-1).flatten(-2).to(x.dtype)
 
     si = x_img.shape[1]
-    joint = torch.cat([stream(x_img, w_img, eps_img, cos[:si], sin[:si]),
-                       stream(x_txt, w_txt, eps_txt, cos[si:], sin[si:])], dim=1)  # fmt: skip
+    joint = torch.cat([stream(x_img, w_img, eps_img, cos[:si], sin[:si], b_img),
+                       stream(x_txt, w_txt, eps_txt, cos[si:], sin[si:], b_txt)], dim=1)  # fmt: skip
     return quantize_with_bound(joint, bound)[0]
 
 
@@ -75,24 +79,31 @@ if triton is not None:
     _E4M3_MAX = tl.constexpr(E4M3_MAX)
 
     @triton.jit
-    def _qk_norm_rope_quant_kernel(img_ptr, txt_ptr, w_img_ptr, w_txt_ptr, cos_ptr, sin_ptr, bound_ptr, out_ptr,
-                                   s_img, s_joint, heads, sib, sis, sih, stb, sts, sth, eps_img, eps_txt,
-                                   HG: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
+    def _qk_norm_rope_quant_kernel(img_ptr, txt_ptr, w_img_ptr, w_txt_ptr, b_img_ptr, b_txt_ptr, cos_ptr, sin_ptr,
+                                   bound_ptr, out_ptr, s_img, s_joint, heads, sib, sis, sih, stb, sts, sth, eps_img,
+                                   eps_txt, HAS_BIAS: tl.constexpr, HG: tl.constexpr, HEAD_DIM: tl.constexpr,  # noqa: N803
+                                   INTERPRET: tl.constexpr):  # noqa: N803
         row = tl.program_id(0).to(tl.int64)
         group = tl.program_id(1)
         b = row // s_joint
         t = row % s_joint
         hs = group * HG + tl.arange(0, HG)
         dims = tl.arange(0, HEAD_DIM)
+        tile = hs[:, None] * HEAD_DIM + dims[None, :]
         if t < s_img:
             ptrs = img_ptr + b * sib + t * sis + hs[:, None] * sih + dims[None, :]
             w_ptrs = w_img_ptr + dims
+            b_ptrs = b_img_ptr + tile
             eps = eps_img
         else:
             ptrs = txt_ptr + b * stb + (t - s_img) * sts + hs[:, None] * sth + dims[None, :]
             w_ptrs = w_txt_ptr + dims
+            b_ptrs = b_txt_ptr + tile
             eps = eps_txt
-        x = tl.load(ptrs).to(tl.float32)
+        x = tl.load(ptrs)
+        if HAS_BIAS:  # the projection's bias, added in bf16 as the linear layer adds it
+            x = (x.to(tl.float32) + tl.load(b_ptrs).to(tl.float32)).to(tl.bfloat16)
+        x = x.to(tl.float32)
         rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
         y = (x * rms[:, None]).to(tl.bfloat16).to(tl.float32)
         y = (y * tl.load(w_ptrs).to(tl.float32)[None, :]).to(tl.bfloat16).to(tl.float32)
@@ -110,29 +121,34 @@ if triton is not None:
 
     @triton_op(OP_NAME, mutates_args={})
     def _qk_norm_rope_quantize_op(x_img: torch.Tensor, x_txt: torch.Tensor, w_img: torch.Tensor,
-                                  w_txt: torch.Tensor, eps_img: float, eps_txt: float, cos: torch.Tensor,
-                                  sin: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+                                  w_txt: torch.Tensor, b_img: torch.Tensor | None, b_txt: torch.Tensor | None,
+                                  eps_img: float, eps_txt: float, cos: torch.Tensor, sin: torch.Tensor,
+                                  bound: torch.Tensor) -> torch.Tensor:
         b, si, h, d = x_img.shape
         sj = si + x_txt.shape[1]
         out = torch.empty((b, sj, h, d), dtype=FP8_DTYPE, device=x_img.device)
         group = _head_group(h)
+        has_bias = b_img is not None
         wrap_triton(_qk_norm_rope_quant_kernel)[(b * sj, h // group)](
-            x_img, x_txt, w_img, w_txt, cos, sin, bound, out, si, sj, h,
-            x_img.stride(0), x_img.stride(1), x_img.stride(2), x_txt.stride(0), x_txt.stride(1), x_txt.stride(2),
-            eps_img, eps_txt, HG=group, HEAD_DIM=d, INTERPRET=interpreter_active(), num_warps=4,
+            x_img, x_txt, w_img, w_txt, b_img if has_bias else w_img, b_txt if has_bias else w_txt, cos, sin, bound,
+            out, si, sj, h, x_img.stride(0), x_img.stride(1), x_img.stride(2), x_txt.stride(0), x_txt.stride(1),
+            x_txt.stride(2), eps_img, eps_txt, HAS_BIAS=has_bias, HG=group, HEAD_DIM=d,
+            INTERPRET=interpreter_active(), num_warps=4,
         )  # fmt: skip
         return out
 
 
 def qk_norm_rope_quantize(x_img: torch.Tensor, x_txt: torch.Tensor, w_img: torch.Tensor | None,
                           w_txt: torch.Tensor | None, eps_img: float, eps_txt: float, cos: torch.Tensor,
-                          sin: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+                          sin: torch.Tensor, bound: torch.Tensor, b_img: torch.Tensor | None = None,
+                          b_txt: torch.Tensor | None = None) -> torch.Tensor:
     """Fused RMSNorm + RoPE + e4m3 cast of one of q / k (layout and numerics: module docstring).
 
     x_img: (B, S_img, H, Dh), x_txt: (B, S_txt, H, Dh) bf16 CUDA, last dim contiguous (other strides free);
     w_img / w_txt: (Dh,) RMSNorm weights or None; cos, sin: (S_img + S_txt, Dh // 2) float32; bound: a
-    float32 scalar tensor >= max |result|. Returns (B, S_img + S_txt, H, Dh) float8_e4m3fn, contiguous, in
-    units of ``bound / 448``. Raises ValueError with the reason where the kernel cannot run.
+    float32 scalar tensor >= max |result|; b_img / b_txt: (H, Dh) projection biases not yet added (added
+    in bf16 first), or None. Returns (B, S_img + S_txt, H, Dh) float8_e4m3fn, contiguous, in units of
+    ``bound / 448``. Raises ValueError with the reason where the kernel cannot run.
     """
     d = x_img.shape[-1]
     problem = qk_norm_quant_problem(x_img.device, d)
@@ -142,8 +158,13 @@ def qk_norm_rope_quantize(x_img: torch.Tensor, x_txt: torch.Tensor, w_img: torch
         raise ValueError(f"qk_norm_rope_quantize takes bf16 (B, S, H, Dh) inputs with a contiguous last dim, got "
                          f"{x_img.dtype} strides {x_img.stride()} and {x_txt.dtype} strides {x_txt.stride()}")
     ones = None if w_img is not None and w_txt is not None else torch.ones(d, dtype=x_img.dtype, device=x_img.device)
+    biases = (None, None)
+    if b_img is not None or b_txt is not None:  # a missing one is zeros: x + 0 rounds to x
+        zeros = torch.zeros(x_img.shape[2], d, dtype=x_img.dtype, device=x_img.device)
+        biases = tuple((b if b is not None else zeros).to(x_img.dtype).reshape(x_img.shape[2], d).contiguous()
+                       for b in (b_img, b_txt))  # fmt: skip
     return _qk_norm_rope_quantize_op(
         x_img, x_txt, (w_img if w_img is not None else ones).to(x_img.dtype).contiguous(),
-        (w_txt if w_txt is not None else ones).to(x_img.dtype).contiguous(), float(eps_img), float(eps_txt),
-        cos.float().contiguous(), sin.float().contiguous(), bound.float().reshape(1),
+        (w_txt if w_txt is not None else ones).to(x_img.dtype).contiguous(), *biases, float(eps_img),
+        float(eps_txt), cos.float().contiguous(), sin.float().contiguous(), bound.float().reshape(1),
     )  # fmt: skip

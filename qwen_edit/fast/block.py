@@ -32,7 +32,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ...fp8.attention import attention
 from .fp8_attention import cudnn_fp8_joint_attention, split_output
 from .mlp import mlp_forward, mlp_takes_prequantized
-from .prequant import Prequantized, apply_linear, modulated_input, residual_then_modulated, takes_prequantized
+from .prequant import (
+    Prequantized,
+    apply_linear,
+    modulated_input,
+    residual_then_modulated,
+    takes_prequantized,
+    unbiased_output,
+)
 from .qkv import FUSED_IMAGE, FUSED_TEXT
 
 MASK_BACKENDS: dict[str, SDPBackend | None] = {
@@ -119,6 +126,27 @@ def _qkv(attn: torch.nn.Module, layers: tuple[torch.nn.Module, ...], x: torch.Te
     if len(layers) == 1:
         return apply_linear(layers[0], x).unflatten(-1, (3, heads, head_dim)).unbind(2)
     return tuple(apply_linear(p, x).unflatten(-1, (heads, head_dim)) for p in layers)
+
+
+def _qkv_unbiased(attn: torch.nn.Module, layers: tuple[torch.nn.Module, ...], x: torch.Tensor | Prequantized
+                  ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
+    """Like :func:`_qkv`, but a row-wise fp8 layer's bias is left out and returned, (H, Dh) per q / k / v,
+    for the consumer to add in its own pass (:func:`.prequant.unbiased_output`); None where it was added."""
+    heads, head_dim = attn.num_heads, attn.head_dim
+    b, s = (x.batch, x.tokens) if isinstance(x, Prequantized) else x.shape[:2]
+    flat = x if isinstance(x, Prequantized) else x.reshape(-1, x.shape[-1])
+    outputs = [unbiased_output(layer, flat) for layer in layers]
+    if len(layers) == 1:
+        y, bias = outputs[0]
+        biases = (None,) * 3 if bias is None else bias.reshape(3, heads, head_dim).unbind(0)
+        return y.reshape(b, s, 3, heads, head_dim).unbind(2), biases
+    return (tuple(y.reshape(b, s, heads, head_dim) for y, _ in outputs),
+            tuple(None if bias is None else bias.reshape(heads, head_dim) for _, bias in outputs))
+
+
+def _with_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x + bias in x's dtype (as a linear layer adds it), or x."""
+    return x if bias is None else x + bias.to(x.dtype)
 
 
 def length_carriers(lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -214,16 +242,20 @@ def fast_block(
     img_qkv, txt_qkv = _qkv_layers(attn, True), _qkv_layers(attn, False)
     img_fp8 = all(takes_prequantized(p) for p in img_qkv)
     txt_fp8 = all(takes_prequantized(p) for p in txt_qkv)
-    q_i, k_i, v_i = _qkv(attn, img_qkv, modulated_input(image, block.img_norm1.eps, img_mod, 0, 1, img_p[0], img_p[1],
-                                                        selector, img_fp8))
-    q_t, k_t, v_t = _qkv(attn, txt_qkv, modulated_input(text, block.txt_norm1.eps, txt_mod, 0, 1, txt_p[0], txt_p[1],
-                                                        None, txt_fp8))
-    v = torch.cat([v_i, v_t], dim=1)
+    img_x = modulated_input(image, block.img_norm1.eps, img_mod, 0, 1, img_p[0], img_p[1], selector, img_fp8)
+    txt_x = modulated_input(text, block.txt_norm1.eps, txt_mod, 0, 1, txt_p[0], txt_p[1], None, txt_fp8)
     if backend in ("cudnn_fp8", "cudnn_fp8_emulated") and key_mask is None:
+        # The QKV biases go into the fused QK kernel and v's concatenation instead of a pass of their own.
+        (q_i, k_i, v_i), (bq_i, bk_i, bv_i) = _qkv_unbiased(attn, img_qkv, img_x)
+        (q_t, k_t, v_t), (bq_t, bk_t, bv_t) = _qkv_unbiased(attn, txt_qkv, txt_x)
+        v = torch.cat([_with_bias(v_i, bv_i), _with_bias(v_t, bv_t)], dim=1)
         fp8_out = takes_prequantized(attn.to_out[0]) and takes_prequantized(attn.to_add_out)
         out = cudnn_fp8_joint_attention(attn, (q_i, q_t), (k_i, k_t), v, cos, sin, txt_lens, fp8_out,
-                                        backend == "cudnn_fp8_emulated")
+                                        backend == "cudnn_fp8_emulated", (bq_i, bq_t), (bk_i, bk_t))
     else:
+        q_i, k_i, v_i = _qkv(attn, img_qkv, img_x)
+        q_t, k_t, v_t = _qkv(attn, txt_qkv, txt_x)
+        v = torch.cat([v_i, v_t], dim=1)
         cos_i, sin_i, cos_t, sin_t = cos[:si], sin[:si], cos[si:], sin[si:]
         q = torch.cat([qk_norm_rope(q_i, attn.norm_q.weight, attn.norm_q.eps, cos_i, sin_i),
                        qk_norm_rope(q_t, attn.norm_added_q.weight, attn.norm_added_q.eps, cos_t, sin_t)], dim=1)

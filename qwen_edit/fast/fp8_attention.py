@@ -56,16 +56,20 @@ def _joint_bound(attn: torch.nn.Module, norms: tuple[str, str], head_dim: int, d
 
 
 def _norm_rope_quantize(attn: torch.nn.Module, parts: tuple[torch.Tensor, torch.Tensor], norms: tuple[str, str],
-                        cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One of q / k: both streams through their RMSNorm and RoPE into the joint e4m3 sequence, and its descale."""
-    from .block import qk_norm_rope  # here, not at import: block imports this module
+                        cos: torch.Tensor, sin: torch.Tensor, fused: bool,
+                        biases: tuple[torch.Tensor | None, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One of q / k: both streams (plus their projection biases, if not yet added) through their RMSNorm and
+    RoPE into the joint e4m3 sequence, and its descale."""
+    from .block import _with_bias, qk_norm_rope  # here, not at import: block imports this module
 
     image, text = parts
     bound = _joint_bound(attn, norms, image.shape[-1], image.device)
     n_img, n_txt = (getattr(attn, name) for name in norms)
     if fused:
-        x8 = qk_norm_rope_quantize(image, text, n_img.weight, n_txt.weight, n_img.eps, n_txt.eps, cos, sin, bound)
+        x8 = qk_norm_rope_quantize(image, text, n_img.weight, n_txt.weight, n_img.eps, n_txt.eps, cos, sin, bound,
+                                   *biases)  # fmt: skip
         return x8, (bound / E4M3_MAX).reshape(1, 1, 1, 1)
+    image, text = _with_bias(image, biases[0]), _with_bias(text, biases[1])
     si = image.shape[1]
     joint = torch.cat([qk_norm_rope(image, n_img.weight, n_img.eps, cos[:si], sin[:si]),
                        qk_norm_rope(text, n_txt.weight, n_txt.eps, cos[si:], sin[si:])], dim=1)  # fmt: skip
@@ -82,6 +86,8 @@ def cudnn_fp8_joint_attention(
     txt_lens: tuple[torch.Tensor, ...] | None,
     fp8_output: bool,
     emulate: bool = False,
+    q_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    k_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> torch.Tensor | Fp8AttentionOutput:
     """Attention over the joint sequence; (B, S, H * Dh) bf16, or :class:`Fp8AttentionOutput` when
     ``fp8_output``. With ``txt_lens`` (right-padded text, :func:`.block.length_carriers`) one batched call
@@ -92,13 +98,14 @@ def cudnn_fp8_joint_attention(
     RMSNorms). q_parts, k_parts: (image, text) projections before QK RMSNorm and RoPE, (B, S_img, H, Dh) and
     (B, L, H, Dh) bf16, any strides with Dh contiguous. v: (B, S, H, Dh) joint values, S = S_img + L.
     cos, sin: (S, Dh // 2) float32 RoPE tables. ``emulate``: the kernel's fp32 mirror instead of cuDNN
-    (backend ``cudnn_fp8_emulated``).
+    (backend ``cudnn_fp8_emulated``). q_biases, k_biases: (image, text) (H, Dh) projection biases that
+    q_parts / k_parts do not include yet, or None.
     """
     image_tokens = q_parts[0].shape[1]
     fused = (FUSED_QK_QUANT and not emulate and v.dtype == torch.bfloat16
              and qk_norm_quant_problem(v.device, v.shape[-1]) is None)
-    q8, dq = _norm_rope_quantize(attn, q_parts, ("norm_q", "norm_added_q"), cos, sin, fused)
-    k8, dk = _norm_rope_quantize(attn, k_parts, ("norm_k", "norm_added_k"), cos, sin, fused)
+    q8, dq = _norm_rope_quantize(attn, q_parts, ("norm_q", "norm_added_q"), cos, sin, fused, q_biases)
+    k8, dk = _norm_rope_quantize(attn, k_parts, ("norm_k", "norm_added_k"), cos, sin, fused, k_biases)
     v8, dv = quantize_per_tensor(v)
     q8, k8, v8 = q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2)
     lengths = None

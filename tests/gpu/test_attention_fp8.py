@@ -320,8 +320,8 @@ def test_cudnn_fp8_kernel_matches_its_mirror():
     assert diff < 3e-2, f"{diff:.2e}"
 
 
-@pytest.mark.parametrize("b", [1, 2])
-def test_fused_qk_norm_rope_quantize_matches_its_reference(b):
+@pytest.mark.parametrize(("b", "with_bias"), [(1, False), (2, True)])
+def test_fused_qk_norm_rope_quantize_matches_its_reference(b, with_bias):
     """fp8/qk_norm_quant.py on the GPU (round-to-nearest casts) against the torch reference, DiT-like strides."""
     from qwen_edit_hopper.fp8.qk_norm_quant import qk_norm_rope_quantize, reference_qk_norm_rope_quantize
 
@@ -333,7 +333,8 @@ def test_fused_qk_norm_rope_quantize_matches_its_reference(b):
     w_txt = (1.2 + 0.3 * torch.randn(D, generator=g, device="cuda")).bfloat16()
     angles = torch.rand(si + st, D // 2, generator=g, device="cuda") * 6.3
     bound = torch.tensor(D**0.5 * 1.02 * 2.4, device="cuda")
-    args = (qkv[:, :, 0], x_txt, w_img, w_txt, 1e-6, 1e-5, angles.cos(), angles.sin(), bound)
+    biases = [(torch.randn(H, D, generator=g, device="cuda") * 2).bfloat16() for _ in range(2)] if with_bias else []
+    args = (qkv[:, :, 0], x_txt, w_img, w_txt, 1e-6, 1e-5, angles.cos(), angles.sin(), bound, *biases)
     got, want = qk_norm_rope_quantize(*args), reference_qk_norm_rope_quantize(*args)
     assert got.shape == (b, si + st, H, D) and got.is_contiguous()
     assert (got.float() == want.float()).float().mean() > 0.99

@@ -47,6 +47,11 @@ def test_reference_is_the_block_path():
     assert got8.shape == want.shape and got8.dtype == torch.float8_e4m3fn
     # eager qk_norm_rope rotates with a complex64 multiply, the reference with real arithmetic: rare 1-ulp ties
     assert (got8.float() == want8.float()).float().mean() > 0.99
+    # A bias not yet added is added first, in bf16, as the linear layer adds it.
+    b_img, b_txt = torch.randn(4, 32).bfloat16(), torch.randn(4, 32).bfloat16()
+    with_bias = reference_qk_norm_rope_quantize(x_img, x_txt, w_img, w_txt, 1e-6, 1e-5, cos, sin, bound, b_img, b_txt)
+    added = reference_qk_norm_rope_quantize(x_img + b_img, x_txt + b_txt, w_img, w_txt, 1e-6, 1e-5, cos, sin, bound)
+    assert torch.equal(with_bias.float(), added.float()) and not torch.equal(with_bias.float(), got8.float())
 
 
 _INTERPRETER_PROBE = """
@@ -56,22 +61,22 @@ from qwen_edit_hopper.fp8 import qk_norm_quant as qq
 def truncate_bf16(x):  # the interpreter's fp32 -> bf16 cast
     return (x.float().view(torch.int32) & -65536).view(torch.float32)
 
-def truncating_reference(x_img, x_txt, w_img, w_txt, eps_img, eps_txt, cos, sin, bound):
-    def stream(x, w, eps, c, s):
-        xf = x.float()
+def truncating_reference(x_img, x_txt, w_img, w_txt, eps_img, eps_txt, cos, sin, bound, b_img, b_txt):
+    def stream(x, w, eps, c, s, bias):
+        xf = x.float() if bias is None else truncate_bf16(x.float() + bias.float())
         y = truncate_bf16(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
         y = truncate_bf16(y * w.float())
         re, im = y[..., 0::2], y[..., 1::2]
         c, s = c[:, None, :], s[:, None, :]
         return torch.stack((truncate_bf16(re * c - im * s), truncate_bf16(re * s + im * c)), -1).flatten(-2)
     si = x_img.shape[1]
-    joint = torch.cat([stream(x_img, w_img, eps_img, cos[:si], sin[:si]),
-                       stream(x_txt, w_txt, eps_txt, cos[si:], sin[si:])], dim=1)
+    joint = torch.cat([stream(x_img, w_img, eps_img, cos[:si], sin[:si], b_img),
+                       stream(x_txt, w_txt, eps_txt, cos[si:], sin[si:], b_txt)], dim=1)
     return (joint * (448.0 / bound)).clamp(-448, 448)
 
 g = torch.Generator().manual_seed(0)
 rows = []
-for b, si, st, h, d in ((1, 6, 3, 8, 16), (2, 5, 4, 12, 32), (2, 4, 2, 3, 8)):
+for b, si, st, h, d, with_bias in ((1, 6, 3, 8, 16, False), (2, 5, 4, 12, 32, True), (2, 4, 2, 3, 8, False)):
     qkv = (torch.randn(b, si, 3, h, d, generator=g) * 2 + 0.5).bfloat16()
     x_img = qkv[:, :, 1]
     x_txt = (torch.randn(b, st, h, d, generator=g) * 3).bfloat16()
@@ -80,10 +85,13 @@ for b, si, st, h, d in ((1, 6, 3, 8, 16), (2, 5, 4, 12, 32), (2, 4, 2, 3, 8)):
     angles = torch.rand(si + st, d // 2, generator=g) * 6.3
     cos, sin = angles.cos(), angles.sin()
     bound = torch.tensor([float(d) ** 0.5 * 1.02 * 1.9])
-    out = qq._qk_norm_rope_quantize_op(x_img, x_txt, w_img, w_txt, 1e-6, 1e-5, cos, sin, bound)
-    want = truncating_reference(x_img, x_txt, w_img, w_txt, 1e-6, 1e-5, cos, sin, bound)
+    b_img = (torch.randn(h, d, generator=g) * 2).bfloat16() if with_bias else None
+    b_txt = (torch.randn(h, d, generator=g) * 2).bfloat16() if with_bias else None
+    out = qq._qk_norm_rope_quantize_op(x_img, x_txt, w_img, w_txt, b_img, b_txt, 1e-6, 1e-5, cos, sin, bound)
+    want = truncating_reference(x_img, x_txt, w_img, w_txt, 1e-6, 1e-5, cos, sin, bound, b_img, b_txt)
     want8 = want.to(torch.float8_e4m3fn)  # torch rounds to nearest even, as the kernel's emulated cast
-    rows.append(dict(case=[b, si, st, h, d], shape=list(out.shape), finite=bool(torch.isfinite(out.float()).all()),
+    rows.append(dict(case=[b, si, st, h, d, with_bias], shape=list(out.shape),
+                     finite=bool(torch.isfinite(out.float()).all()),
                      same_codes=float((out.float() == want8.float()).float().mean()),
                      err=float((out.float() - want8.float()).norm() / want8.float().norm())))
 print(json.dumps(rows))
@@ -95,7 +103,7 @@ def test_kernel_matches_the_reference_under_the_interpreter():
     rows = run_probe(_INTERPRETER_PROBE, ("qwen_edit_hopper.fp8.qk_norm_quant",))
     assert len(rows) == 3
     for row in rows:
-        b, si, st, h, d = row["case"]
+        b, si, st, h, d, _ = row["case"]
         assert row["shape"] == [b, si + st, h, d] and row["finite"], row
         # a wrong stream, token, head or pair order gives errors of order 1; what remains are sum-order ties
         assert row["same_codes"] > 0.98 and row["err"] < 1e-2, row
