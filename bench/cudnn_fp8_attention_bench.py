@@ -6,6 +6,7 @@ Run from the repository root on the device machine, with the cudnn-frontend whee
 
     python3 bench/cudnn_fp8_attention_bench.py     # $OUT/cudnn_fp8_attention.json, table last
     python3 bench/cudnn_fp8_attention_bench.py --plans   # every engine config of the pack's graph, timed
+    python3 bench/cudnn_fp8_attention_bench.py --layouts # the pack's kernel call, q/k/v token- or head-major
 
 What it measures, at S = 8492, H = 24, D = 128, B = 1 and 2, q/k/v in the DiT's (B, S, H, D) memory:
 
@@ -186,8 +187,42 @@ def plan_sweep(b: int, padded: bool, device) -> list[dict]:
     return rows
 
 
+def layout_rows(device) -> list[dict]:
+    """``cudnn_fp8.run_kernel`` (the pack's padded graph, e4m3 (B, S, H, D) output) with q/k/v in the DiT's
+    token-major (B, S, H, D) memory against head-major (B, H, S, D) memory, same values; B = 1 and 2."""
+    from qwen_edit_hopper.fp8.attention import cudnn_fp8 as cf
+
+    s, rows = 8492, []
+    for b in (1, 2):
+        q, k, v = (bshd_view(t) for t in ab.make_inputs(b, s, "gauss", 0, device))
+        (q8, dq), (k8, dk), (v8, dv) = cf.quantize_per_tensor(q), cf.quantize_per_tensor(k), cf.quantize_per_tensor(v)
+        flops = 4 * b * ab.H * s * s * ab.D
+        lengths = torch.full((b,), s, dtype=torch.int32, device=device)
+        outs = {}
+        for layout, (a, bb, c) in (("token-major", (q8, k8, v8)),
+                                   ("head-major", (q8.contiguous(), k8.contiguous(), v8.contiguous()))):
+            scales = (dq, dk, dv, lengths)
+            times = ab.time_fn(lambda _j, a=a, bb=bb, c=c, sc=scales: cf.run_kernel(a, bb, c, *sc), 1)
+            outs[layout] = cf.run_kernel(a, bb, c, *scales).float()
+            ms = statistics.median(times)
+            row = {"B": b, "layout": layout, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
+                   "same_output": bool(torch.equal(outs[layout], outs["token-major"]))}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> int:
     device = torch.device("cuda")
+    if "--layouts" in sys.argv:
+        rows = layout_rows(device)
+        out = Path(os.environ.get("OUT", "bench/out"))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "cudnn_fp8_layouts.json").write_text(json.dumps(rows, indent=1))
+        for r in rows:
+            print(f"  B={r['B']} {r['layout']:12s} {r['ms']:7.3f} ms {r['tflops']:6.0f} TFLOP/s "
+                  f"same output {r['same_output']}")
+        return 0
     if "--plans" in sys.argv:
         cases = ((1, False), (1, True), (2, False), (2, True))
         rows = [r for b, padded in cases for r in plan_sweep(b, padded, device)]

@@ -50,7 +50,9 @@ def measure(device: torch.device, rows: int = 8192, cols: int = 12288, warps: tu
     compiled = torch.compile(plain)
     candidates = {"inductor": lambda: compiled(y, bias)}
     for w in warps or (gq.DEFAULT_WARPS,):
-        candidates[f"fused kernel, {w} warps"] = lambda w=w: gq._gelu_quantize_op(y, bias, w)
+        for split in (True, False):
+            candidates[f"kernel, {w} warps, {'3 chunks' if split else '1 block'}"] = (
+                lambda w=w, split=split: gq._gelu_quantize_op(y, bias, w, split))
     return _time_candidates(candidates, device, bytes_moved, ref8)
 
 
@@ -72,8 +74,10 @@ def measure_modulate(device: torch.device, rows: int = 8192, cols: int = 3072, w
     compiled = torch.compile(plain)
     candidates = {"inductor": lambda: compiled(x, mod)}
     for w in warps or (nq.DEFAULT_WARPS,):
-        candidates[f"fused kernel, {w} warps"] = lambda w=w: nq._modulate_quantize_op(
-            x.reshape(-1, cols), rows, 1e-6, mod, 6, 0, 1, None, w)
+        for split in (True, False):
+            candidates[f"kernel, {w} warps, {'3 chunks' if split else '1 block'}"] = (
+                lambda w=w, split=split: nq._modulate_quantize_op(x.reshape(-1, cols), rows, 1e-6, mod, 6, 0, 1, None,
+                                                                  w, split))
     return _time_candidates(candidates, device, bytes_moved, ref8)
 
 

@@ -69,13 +69,38 @@ def profile(fn) -> dict:
             "top": [[name[:140], round(ms, 2), count] for name, ms, count in rows[:25]]}
 
 
+def graphed(call, reference: torch.Tensor, device: torch.device) -> dict:
+    """``call`` captured in one CUDA graph (after warm-up on a side stream) and replayed: ms and error, or why not."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        ms = hc.time_calls(graph.replay, device, warmup=3, reps=7)["ms"]
+        graph.replay()
+        error = rel_err(out, reference)
+        del graph
+        return {"ms": round(ms, 2), "rel_err": error}
+    except Exception as exc:  # reported in the table, not hidden
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
     parser.add_argument("--attention", nargs="+", metavar="BACKEND",
                         help="instead of the kernel variants: the shipped preset with each attention backend "
-                             "(the first one again at the end), no micro-benchmarks; cudnn_fp8-inductor-qk is "
-                             "cudnn_fp8 without the fused QK norm + RoPE + quantize kernel")  # fmt: skip
+                             "(the first one again at the end), no micro-benchmarks; suffixes: -inductor-qk (no "
+                             "fused QK norm + RoPE + quantize kernel), -inductor-v (no fused v quantize kernels), "
+                             "-unsplit (GELU / LayerNorm kernels without the three-chunk rows)")  # fmt: skip
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="also time each variant's forward captured whole in one CUDA graph and replayed (no host "
+                             "launch overhead: what the host side costs per forward)")  # fmt: skip
     args = parser.parse_args()
     load_pack()
     from qwen_edit_hopper.fp8 import Fp8Config
@@ -108,6 +133,7 @@ def main() -> int:
             ("fastest preset, Inductor quantization (again: clock drift over the run)", fast_accum, False, False,
              "sdpa"),
         ]
+    from qwen_edit_hopper.fp8 import gelu_quant
     from qwen_edit_hopper.qwen_edit.fast import fp8_attention, prequant
     from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
 
@@ -115,9 +141,13 @@ def main() -> int:
         for label, config, fused_gelu, fused_norm, backend in variants:
             torch._dynamo.reset()
             fast_mlp.FUSED_GELU_QUANT, prequant.FUSED_NORM_QUANT = fused_gelu, fused_norm
-            # "cudnn_fp8-inductor-qk": cudnn_fp8 with QK norm + RoPE + e4m3 cast left to Inductor
-            fp8_attention.FUSED_QK_QUANT = not backend.endswith("-inductor-qk")
-            backend = backend.removesuffix("-inductor-qk")
+            # suffixes: "-inductor-qk" (QK norm + RoPE + e4m3 cast left to Inductor), "-inductor-v" (v's bias +
+            # concatenation + max + cast left to Inductor), "-unsplit" (GELU / LayerNorm kernels: one masked block
+            # per row instead of three chunks)
+            fp8_attention.FUSED_QK_QUANT = "-inductor-qk" not in backend
+            fp8_attention.FUSED_V_QUANT = "-inductor-v" not in backend
+            gelu_quant.SPLIT_ROWS = "-unsplit" not in backend
+            backend = backend.split("-")[0]
             module = build_fp8_dit(base, config)
             ff.compile_blocks(module)
 
@@ -131,6 +161,9 @@ def main() -> int:
             error = rel_err(call(), reference)
             results["variants"][label] = {"ms": round(ms, 2), "rel_err": error, "first_call_s": round(compile_s, 1)}
             print(f"{label:88s} {ms:8.1f} ms  err {error:.2e}  first call {compile_s:.0f} s", flush=True)
+            if args.cuda_graph:
+                graph = results["variants"][label]["cuda_graph"] = graphed(call, reference, device)
+                print(f"{'  ... captured in one CUDA graph':88s} {graph}", flush=True)
             results.setdefault("profiles", {})[label] = profile(call)
             if "shipped" in label and "profile" not in results:
                 results["profile"] = {"variant": label, **results["profiles"][label]}
@@ -141,7 +174,10 @@ def main() -> int:
     (args.out / "profile_forward.json").write_text(json.dumps(results, indent=1))
     prof = results["profile"]
     for label, variant in results["variants"].items():
-        print(f"{label:88s} {variant['ms']:8.1f} ms  err {variant['rel_err']:.2e}")
+        graph = variant.get("cuda_graph", {})
+        print(f"{label:88s} {variant['ms']:8.1f} ms  err {variant['rel_err']:.2e}"
+              + (f"  | one CUDA graph {graph['ms']:8.1f} ms err {graph['rel_err']:.2e}" if "ms" in graph else
+                 f"  | CUDA graph: {graph['error'][:80]}" if graph else ""))
     print(f"\nPROFILE of {prof['variant']}: {prof['total_ms']:.1f} ms of kernels")
     for name, ms in sorted(prof["by_category"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:28s} {ms:7.1f} ms  {100 * ms / prof['total_ms']:5.1f}%")

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from .gelu_quant import gelu_quant_problem
+from . import gelu_quant
+from .gelu_quant import gelu_quant_problem, row_chunks
 from .quant import E4M3_MAX, EPS, FP8_DTYPE, quantize_rowwise
 
 __all__ = [
@@ -112,10 +113,40 @@ if triton is not None:
     _E4M3_MAX = tl.constexpr(E4M3_MAX)
 
     @triton.jit
+    def _residual_chunk(x_ptr, y_ptr, bias_ptr, gate_ptr, new_ptr, cols, mask, RESIDUAL: tl.constexpr,  # noqa: N803
+                        HAS_BIAS: tl.constexpr, MASKED: tl.constexpr):  # noqa: N803
+        """One chunk of the row as float32: x, or (RESIDUAL) x + gate * (y + bias) rounded to bf16 and stored."""
+        x = (tl.load(x_ptr + cols, mask=mask, other=0.0) if MASKED else tl.load(x_ptr + cols)).to(tl.float32)
+        if RESIDUAL:  # x <- x + gate * (y + bias), written back as the new residual stream
+            update = (tl.load(y_ptr + cols, mask=mask, other=0.0) if MASKED else tl.load(y_ptr + cols)).to(tl.float32)
+            if HAS_BIAS:
+                b = tl.load(bias_ptr + cols, mask=mask, other=0.0) if MASKED else tl.load(bias_ptr + cols)
+                update = (update + b.to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+            gate = (tl.load(gate_ptr + cols, mask=mask, other=0.0) if MASKED else tl.load(gate_ptr + cols))
+            x = (x + gate.to(tl.float32) * update).to(tl.bfloat16)
+            if MASKED:
+                tl.store(new_ptr + cols, x, mask=mask)
+            else:
+                tl.store(new_ptr + cols, x)
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _modulated_chunk(x, mean, rstd, shift_ptr, scale_ptr, cols, mask, MASKED: tl.constexpr):  # noqa: N803
+        """LayerNorm (rounded to bf16) * (1 + scale) + shift of one chunk, rounded to bf16, as float32."""
+        ln = ((x - mean) * rstd).to(tl.bfloat16).to(tl.float32)
+        shift = (tl.load(shift_ptr + cols, mask=mask, other=0.0) if MASKED else tl.load(shift_ptr + cols))
+        scale_m = (tl.load(scale_ptr + cols, mask=mask, other=0.0) if MASKED else tl.load(scale_ptr + cols))
+        m = (ln * (1.0 + scale_m.to(tl.float32)) + shift.to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+        return tl.where(mask, m, 0.0) if MASKED else m
+
+    @triton.jit
     def _modulate_quant_kernel(x_ptr, mod_ptr, sel_ptr, out_ptr, scale_ptr, y_ptr, bias_ptr, new_ptr, n_cols, tokens,
                                sets, stride_x, stride_y, stride_mod, gate_off, shift_off, scale_off, eps,
                                HAS_SELECTOR: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,  # noqa: N803
-                               BLOCK: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
+                               BLOCK: tl.constexpr, CHUNKS: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
+        """One row per program. CHUNKS 1: the row in one BLOCK >= n_cols, masked. CHUNKS 3: n_cols == 3 * BLOCK,
+        three unmasked chunks (no idle lanes where the width is 3 * 2^k, e.g. 3072)."""
         row = tl.program_id(0).to(tl.int64)
         token = row % tokens
         prow = (row // tokens) % sets
@@ -124,61 +155,75 @@ if triton is not None:
             prow = tl.where(keep != 0, prow, prow + sets)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        mod_row = mod_ptr + prow * stride_mod + cols
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        if RESIDUAL:  # x <- x + gate * (y + bias), written back as the new residual stream
-            update = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                update = (update + tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(tl.bfloat16)
-                update = update.to(tl.float32)
-            gate = tl.load(mod_row + gate_off, mask=mask, other=0.0).to(tl.float32)
-            x = (x + gate * update).to(tl.bfloat16)
-            tl.store(new_ptr + row * n_cols + cols, x, mask=mask)
-            x = x.to(tl.float32)
-        mean = tl.sum(x, axis=0) / n_cols
-        centered = tl.where(mask, x - mean, 0.0)
-        var = tl.sum(centered * centered, axis=0) / n_cols
-        ln = (centered * tl.rsqrt(var + eps)).to(tl.bfloat16).to(tl.float32)
-        shift = tl.load(mod_row + shift_off, mask=mask, other=0.0).to(tl.float32)
-        scale_m = tl.load(mod_row + scale_off, mask=mask, other=0.0).to(tl.float32)
-        m = (ln * (1.0 + scale_m) + shift).to(tl.bfloat16).to(tl.float32)
-        amax = tl.max(tl.abs(m), axis=0)
+        mod_row = mod_ptr + prow * stride_mod
+        x_row, y_row, new_row = x_ptr + row * stride_x, y_ptr + row * stride_y, new_ptr + row * n_cols
+        gate_row, shift_row, scale_row = mod_row + gate_off, mod_row + shift_off, mod_row + scale_off
+        out_row = out_ptr + row * n_cols
+        if CHUNKS == 3:
+            x0 = _residual_chunk(x_row, y_row, bias_ptr, gate_row, new_row, cols, mask, RESIDUAL, HAS_BIAS, False)
+            x1 = _residual_chunk(x_row + BLOCK, y_row + BLOCK, bias_ptr + BLOCK, gate_row + BLOCK, new_row + BLOCK,
+                                 cols, mask, RESIDUAL, HAS_BIAS, False)
+            x2 = _residual_chunk(x_row + 2 * BLOCK, y_row + 2 * BLOCK, bias_ptr + 2 * BLOCK, gate_row + 2 * BLOCK,
+                                 new_row + 2 * BLOCK, cols, mask, RESIDUAL, HAS_BIAS, False)
+            mean = (tl.sum(x0, axis=0) + tl.sum(x1, axis=0) + tl.sum(x2, axis=0)) / n_cols
+            var = (tl.sum((x0 - mean) * (x0 - mean), axis=0) + tl.sum((x1 - mean) * (x1 - mean), axis=0)
+                   + tl.sum((x2 - mean) * (x2 - mean), axis=0)) / n_cols
+            rstd = tl.rsqrt(var + eps)
+            m0 = _modulated_chunk(x0, mean, rstd, shift_row, scale_row, cols, mask, False)
+            m1 = _modulated_chunk(x1, mean, rstd, shift_row + BLOCK, scale_row + BLOCK, cols, mask, False)
+            m2 = _modulated_chunk(x2, mean, rstd, shift_row + 2 * BLOCK, scale_row + 2 * BLOCK, cols, mask, False)
+            amax = tl.maximum(tl.maximum(tl.max(tl.abs(m0), axis=0), tl.max(tl.abs(m1), axis=0)),
+                              tl.max(tl.abs(m2), axis=0))
+        else:
+            x0 = _residual_chunk(x_row, y_row, bias_ptr, gate_row, new_row, cols, mask, RESIDUAL, HAS_BIAS, True)
+            mean = tl.sum(x0, axis=0) / n_cols
+            centered = tl.where(mask, x0 - mean, 0.0)
+            rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
+            m0 = _modulated_chunk(x0, mean, rstd, shift_row, scale_row, cols, mask, True)
+            amax = tl.max(tl.abs(m0), axis=0)
         qscale = tl.maximum(amax, _EPS) / _E4M3_MAX
-        q = tl.clamp(m * (1.0 / qscale), -_E4M3_MAX, _E4M3_MAX)
-        tl.store(out_ptr + row * n_cols + cols, _to_e4m3(q, INTERPRET), mask=mask)
+        inv = 1.0 / qscale
+        if CHUNKS == 3:
+            tl.store(out_row + cols, _to_e4m3(tl.clamp(m0 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET))
+            tl.store(out_row + BLOCK + cols, _to_e4m3(tl.clamp(m1 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET))
+            tl.store(out_row + 2 * BLOCK + cols, _to_e4m3(tl.clamp(m2 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET))
+        else:
+            tl.store(out_row + cols, _to_e4m3(tl.clamp(m0 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET), mask=mask)
         tl.store(scale_ptr + row, qscale)
 
-    def _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, residual, num_warps):
+    def _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, residual, num_warps, split_rows):
         """residual: None or (y2d, bias or None, gate_index, new2d). Returns (x8, scale)."""
         rows, cols = x2d.shape
         out = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x2d.device)
         scale = torch.empty((rows, 1), dtype=torch.float32, device=x2d.device)
         sets = mod.shape[0] // 2 if selector is not None else mod.shape[0]
         y2d, bias, gate_index, new2d = residual if residual is not None else (x2d, None, 0, x2d)
+        chunks, block = row_chunks(cols, split_rows)
         wrap_triton(_modulate_quant_kernel)[(rows,)](
             x2d, mod, selector if selector is not None else x2d, out, scale, y2d, bias if bias is not None else x2d,
             new2d, cols, tokens, sets, x2d.stride(0), y2d.stride(0), mod.stride(0), gate_index * cols,
             shift_index * cols, scale_index * cols, eps,
             HAS_SELECTOR=selector is not None, RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            BLOCK=triton.next_power_of_2(cols), INTERPRET=interpreter_active(), num_warps=num_warps,
+            BLOCK=block, CHUNKS=chunks, INTERPRET=interpreter_active(), num_warps=num_warps,
         )
         return out, scale
 
     @triton_op(OP_NAME, mutates_args={})
     def _modulate_quantize_op(x2d: torch.Tensor, tokens: int, eps: float, mod: torch.Tensor, n_params: int,
                               shift_index: int, scale_index: int, selector: torch.Tensor | None,
-                              num_warps: int = DEFAULT_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
-        return _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, None, num_warps)
+                              num_warps: int = DEFAULT_WARPS, split_rows: bool = True
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, None, num_warps, split_rows)
 
     @triton_op(RESIDUAL_OP_NAME, mutates_args={})
     def _residual_modulate_quantize_op(x2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, tokens: int,
                                        eps: float, mod: torch.Tensor, n_params: int, gate_index: int,
                                        shift_index: int, scale_index: int, selector: torch.Tensor | None,
-                                       num_warps: int = DEFAULT_WARPS
+                                       num_warps: int = DEFAULT_WARPS, split_rows: bool = True
                                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         new2d = torch.empty_like(x2d)
         out, scale = _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector,
-                             (y2d, bias, gate_index, new2d), num_warps)
+                             (y2d, bias, gate_index, new2d), num_warps, split_rows)
         return new2d, out, scale
 
 
@@ -199,7 +244,7 @@ def modulate_quantize_rowwise(x: torch.Tensor, eps: float, mod: torch.Tensor, n_
                          f"got x {x.dtype} {tuple(x.shape)}, mod {tuple(mod.shape)} strides {mod.stride()}")
     sel = None if selector is None else selector.reshape(-1).to(torch.uint8)
     return _modulate_quantize_op(x.reshape(-1, x.shape[-1]).contiguous(), x.shape[1], float(eps), mod, n_params,
-                                 shift_index, scale_index, sel)
+                                 shift_index, scale_index, sel, DEFAULT_WARPS, gelu_quant.SPLIT_ROWS)
 
 
 def residual_modulate_quantize_rowwise(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, eps: float,
@@ -222,5 +267,6 @@ def residual_modulate_quantize_rowwise(x: torch.Tensor, y: torch.Tensor, bias: t
     sel = None if selector is None else selector.reshape(-1).to(torch.uint8)
     new, x8, scale = _residual_modulate_quantize_op(
         x.reshape(-1, x.shape[-1]).contiguous(), y, bias.to(y.dtype).contiguous() if bias is not None else None,
-        x.shape[1], float(eps), mod, n_params, gate_index, shift_index, scale_index, sel)
+        x.shape[1], float(eps), mod, n_params, gate_index, shift_index, scale_index, sel, DEFAULT_WARPS,
+        gelu_quant.SPLIT_ROWS)
     return new.reshape(x.shape), x8, scale

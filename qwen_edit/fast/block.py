@@ -245,13 +245,12 @@ def fast_block(
     img_x = modulated_input(image, block.img_norm1.eps, img_mod, 0, 1, img_p[0], img_p[1], selector, img_fp8)
     txt_x = modulated_input(text, block.txt_norm1.eps, txt_mod, 0, 1, txt_p[0], txt_p[1], None, txt_fp8)
     if backend in ("cudnn_fp8", "cudnn_fp8_emulated") and key_mask is None:
-        # The QKV biases go into the fused QK kernel and v's concatenation instead of a pass of their own.
+        # The QKV biases go into the fused QK and v kernels instead of a pass of their own.
         (q_i, k_i, v_i), (bq_i, bk_i, bv_i) = _qkv_unbiased(attn, img_qkv, img_x)
         (q_t, k_t, v_t), (bq_t, bk_t, bv_t) = _qkv_unbiased(attn, txt_qkv, txt_x)
-        v = torch.cat([_with_bias(v_i, bv_i), _with_bias(v_t, bv_t)], dim=1)
         fp8_out = takes_prequantized(attn.to_out[0]) and takes_prequantized(attn.to_add_out)
-        out = cudnn_fp8_joint_attention(attn, (q_i, q_t), (k_i, k_t), v, cos, sin, txt_lens, fp8_out,
-                                        backend == "cudnn_fp8_emulated", (bq_i, bq_t), (bk_i, bk_t))
+        out = cudnn_fp8_joint_attention(attn, (q_i, q_t), (k_i, k_t), (v_i, v_t), cos, sin, txt_lens, fp8_out,
+                                        backend == "cudnn_fp8_emulated", (bq_i, bq_t), (bk_i, bk_t), (bv_i, bv_t))
     else:
         q_i, k_i, v_i = _qkv(attn, img_qkv, img_x)
         q_t, k_t, v_t = _qkv(attn, txt_qkv, txt_x)

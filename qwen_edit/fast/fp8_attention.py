@@ -7,13 +7,14 @@ tensor and dequantizes the output. Inside a block neither pass is needed:
   (:func:`...fp8.attention.cudnn_fp8.rms_norm_bound`): a static per-tensor scale, and one Triton kernel
   per q / k (:mod:`...fp8.qk_norm_quant`) reads both streams' projections and writes the joint e4m3
   sequence (on CPU, or with ``QWEN_EDIT_FUSED_QK_QUANT=0``, the same math in torch ops);
-* v has no such bound: one row-wise max fused into v's concatenation, then the cast;
+* v has no such bound: its per-tensor max, then the cast into the joint sequence, with the projection
+  biases added on the way (two Triton kernels, :mod:`...fp8.v_quant`; in torch ops on CPU or with
+  ``QWEN_EDIT_FUSED_V_QUANT=0``);
 * the e4m3 output, in units of v's scale, feeds the row-wise fp8 output projections directly as a
   :class:`.prequant.Prequantized` with that scale on every row, when both output projections are
   row-wise fp8 GEMMs; otherwise it is dequantized to bf16.
 
-Shapes: q and k arrive per stream (image, text) before their RMSNorm; v as the joint ``[image, text]``
-(B, S, H, Dh) sequence; all bf16. Right-padded text
+Shapes: q, k and v arrive per stream (image, text), q and k before their RMSNorm; all bf16. Right-padded text
 (``txt_lens``, true CFG's two prompts): one batched kernel call with cuDNN's padding mask (per-sample
 key lengths), so batch 2 also hands fp8 to the output projections. ``text_padding="mask"`` (an SDPA
 boolean mask) is refused for ``cudnn_fp8`` before any work: its ``split`` mode is the padding mask.
@@ -28,18 +29,22 @@ import torch
 from ...fp8.attention.cudnn_fp8 import (
     E4M3_MAX,
     attention_quantized,
-    quantize_per_tensor,
     quantize_with_bound,
     rms_norm_bound,
 )
 from ...fp8.qk_norm_quant import qk_norm_quant_problem, qk_norm_rope_quantize
+from ...fp8.v_quant import joint_v_quantize, reference_joint_v_quantize
 from .prequant import Prequantized
 
-__all__ = ["FUSED_QK_QUANT", "Fp8AttentionOutput", "cudnn_fp8_joint_attention", "split_output"]
+__all__ = ["FUSED_QK_QUANT", "FUSED_V_QUANT", "Fp8AttentionOutput", "cudnn_fp8_joint_attention", "split_output"]
 
 FUSED_QK_QUANT = os.environ.get("QWEN_EDIT_FUSED_QK_QUANT", "1") != "0"
 """QK RMSNorm + RoPE + e4m3 cast in one Triton kernel per q / k (:mod:`...fp8.qk_norm_quant`) where it can
 run; ``QWEN_EDIT_FUSED_QK_QUANT=0`` leaves it to Inductor (the benchmark times both)."""
+
+FUSED_V_QUANT = os.environ.get("QWEN_EDIT_FUSED_V_QUANT", "1") != "0"
+"""v's bias + concatenation + per-tensor max + e4m3 cast in two Triton kernels (:mod:`...fp8.v_quant`) where they
+can run; ``QWEN_EDIT_FUSED_V_QUANT=0`` leaves it to Inductor (the benchmark times both)."""
 
 
 class Fp8AttentionOutput:
@@ -80,7 +85,7 @@ def cudnn_fp8_joint_attention(
     attn: torch.nn.Module,
     q_parts: tuple[torch.Tensor, torch.Tensor],
     k_parts: tuple[torch.Tensor, torch.Tensor],
-    v: torch.Tensor,
+    v_parts: tuple[torch.Tensor, torch.Tensor],
     cos: torch.Tensor,
     sin: torch.Tensor,
     txt_lens: tuple[torch.Tensor, ...] | None,
@@ -88,6 +93,7 @@ def cudnn_fp8_joint_attention(
     emulate: bool = False,
     q_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     k_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    v_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> torch.Tensor | Fp8AttentionOutput:
     """Attention over the joint sequence; (B, S, H * Dh) bf16, or :class:`Fp8AttentionOutput` when
     ``fp8_output``. With ``txt_lens`` (right-padded text, :func:`.block.length_carriers`) one batched call
@@ -95,26 +101,31 @@ def cudnn_fp8_joint_attention(
     forward discards (as with the SDPA key mask).
 
     attn: the block's attention module (its ``norm_q`` / ``norm_added_q`` / ``norm_k`` / ``norm_added_k``
-    RMSNorms). q_parts, k_parts: (image, text) projections before QK RMSNorm and RoPE, (B, S_img, H, Dh) and
-    (B, L, H, Dh) bf16, any strides with Dh contiguous. v: (B, S, H, Dh) joint values, S = S_img + L.
+    RMSNorms). q_parts, k_parts, v_parts: (image, text) projections (q and k before QK RMSNorm and RoPE),
+    (B, S_img, H, Dh) and (B, L, H, Dh) bf16, any strides with Dh contiguous; S = S_img + L.
     cos, sin: (S, Dh // 2) float32 RoPE tables. ``emulate``: the kernel's fp32 mirror instead of cuDNN
-    (backend ``cudnn_fp8_emulated``). q_biases, k_biases: (image, text) (H, Dh) projection biases that
-    q_parts / k_parts do not include yet, or None.
+    (backend ``cudnn_fp8_emulated``). q_biases, k_biases, v_biases: (image, text) (H, Dh) projection biases
+    that the parts do not include yet, or None.
     """
     image_tokens = q_parts[0].shape[1]
-    fused = (FUSED_QK_QUANT and not emulate and v.dtype == torch.bfloat16
-             and qk_norm_quant_problem(v.device, v.shape[-1]) is None)
+    v_img = v_parts[0]
+    kernels_run = (not emulate and v_img.dtype == torch.bfloat16
+                   and qk_norm_quant_problem(v_img.device, v_img.shape[-1]) is None)
+    fused = FUSED_QK_QUANT and kernels_run
     q8, dq = _norm_rope_quantize(attn, q_parts, ("norm_q", "norm_added_q"), cos, sin, fused, q_biases)
     k8, dk = _norm_rope_quantize(attn, k_parts, ("norm_k", "norm_added_k"), cos, sin, fused, k_biases)
-    v8, dv = quantize_per_tensor(v)
+    if FUSED_V_QUANT and kernels_run:
+        v8, dv = joint_v_quantize(*v_parts, *v_biases)
+    else:
+        v8, dv = reference_joint_v_quantize(*v_parts, *v_biases)
     q8, k8, v8 = q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2)
     lengths = None
     if txt_lens is not None:
-        lengths = torch.tensor([image_tokens + c.shape[0] for c in txt_lens], dtype=torch.int32, device=v.device)
+        lengths = torch.tensor([image_tokens + c.shape[0] for c in txt_lens], dtype=torch.int32, device=v_img.device)
     out8 = attention_quantized(q8, k8, v8, dq, dk, dv, emulate, lengths)
     if fp8_output:
         return Fp8AttentionOutput(out8, dv.reshape(1, 1))
-    return (out8.float() * dv.reshape(1, 1)).to(v.dtype)
+    return (out8.float() * dv.reshape(1, 1)).to(v_img.dtype)
 
 
 def split_output(out: torch.Tensor | Fp8AttentionOutput, image_tokens: int

@@ -339,3 +339,20 @@ def test_fused_qk_norm_rope_quantize_matches_its_reference(b, with_bias):
     assert got.shape == (b, si + st, H, D) and got.is_contiguous()
     assert (got.float() == want.float()).float().mean() > 0.99
     assert relative_error(got.float(), want.float()) < 1e-2
+
+
+@pytest.mark.parametrize(("b", "with_bias"), [(1, False), (2, True)])
+def test_fused_v_quantize_matches_its_reference(b, with_bias):
+    """fp8/v_quant.py on the GPU against the block's torch path, DiT-like strides (views into QKV outputs)."""
+    from qwen_edit_hopper.fp8.v_quant import joint_v_quantize, reference_joint_v_quantize
+
+    g = torch.Generator(device="cuda").manual_seed(b)
+    si, st = 1024, 77
+    qkv = (torch.randn(b, si, 3, H, D, generator=g, device="cuda") * 2 + 0.5).bfloat16()
+    qkv_txt = (torch.randn(b, st, 3, H, D, generator=g, device="cuda") * 3).bfloat16()
+    biases = [(torch.randn(H, D, generator=g, device="cuda") * 2).bfloat16() for _ in range(2)] if with_bias else []
+    args = (qkv[:, :, 2], qkv_txt[:, :, 2], *biases)
+    (got, got_descale), (want, want_descale) = joint_v_quantize(*args), reference_joint_v_quantize(*args)
+    assert got.shape == (b, si + st, H, D) and got.is_contiguous()
+    assert torch.equal(got_descale, want_descale)
+    assert torch.equal(got.float(), want.float())

@@ -69,13 +69,13 @@ def truncating_reference(y, bias):  # reference_gelu_quantize with the interpret
     return gq.quantize_rowwise(truncate_bf16(yf * torch.sigmoid(1.702 * yf)))
 g = torch.Generator().manual_seed(0)
 rows = []
-for m, n, with_bias in ((3, 200, True), (4, 1024, False), (2, 3000, True)):
+for m, n, with_bias in ((3, 200, True), (4, 1024, False), (2, 3000, True), (2, 384, True), (3, 96, False)):
     y = (torch.randn(m, n, generator=g) * 3).bfloat16()
     y[0] *= 50  # rows of very different ranges: each gets its own scale
     bias = (torch.randn(n, generator=g)).bfloat16() if with_bias else None
     h8, hs = gq._gelu_quantize_op(y, bias)
     r8, rs = truncating_reference(y, bias)
-    rows.append(dict(shape=[m, n], finite=bool(torch.isfinite(h8.float()).all()),
+    rows.append(dict(shape=[m, n], chunks=gq.row_chunks(n)[0], finite=bool(torch.isfinite(h8.float()).all()),
                      scale_err=relative_error(hs, rs), err=relative_error(dequantize(h8, hs), dequantize(r8, rs)),
                      same_codes=float((h8.float() == r8.float()).float().mean())))  # +0 == -0
 print(json.dumps(rows))
@@ -86,7 +86,8 @@ print(json.dumps(rows))
 @pytest.mark.slow
 def test_kernel_matches_the_reference_under_the_interpreter():
     rows = run_probe(_INTERPRETER_PROBE, ('qwen_edit_hopper.fp8.gelu_quant',))
-    assert len(rows) == 3
+    assert len(rows) == 5
+    assert [row["chunks"] for row in rows] == [1, 1, 1, 3, 3]  # masked one-block rows and 3 * 2^k chunked rows
     for row in rows:
         assert row["finite"], row
         # against a reference with the interpreter's truncating bf16 casts: the same scales and codes, except

@@ -1,0 +1,166 @@
+"""The joint attention values ``[image; text]`` plus their projection biases, cast to per-tensor e4m3 (Triton, CUDA).
+
+Before FP8 attention, v arrives per stream as (B, S_stream, H, Dh) views into each stream's fused QKV
+GEMM output, its bias not yet added. Unlike q and k (RMSNorm bounds them, :mod:`.qk_norm_quant`), v has
+no static bound, so its per-tensor scale needs the max over the whole joint tensor first. Inductor did
+this as a concatenation + bias + max reduction (3.8 ms of a 191 ms forward on an H200) and a second
+concatenation + bias + cast kernel (1.5 ms): about 1 TB/s. Here two kernels read v at memory speed:
+
+1. :func:`_v_amax_kernel`: each program runs over ``ROWS`` tokens of one head group and folds its max into
+   one float32 (``tl.atomic_max``; a few hundred atomics per call);
+2. :func:`_v_cast_kernel`: one program per (token, head group) adds the bias, scales by ``448 / amax`` and
+   writes the joint (B, S_img + S_txt, H, Dh) e4m3 sequence, contiguous.
+
+Numerics: those of the block's torch path, ``cudnn_fp8.quantize_per_tensor(torch.cat([v_img + b_img,
+v_txt + b_txt], 1))``: the bias added in bf16, amax of the bf16 values (clamped to >= 1e-12), ``v * (448 /
+amax)`` in float32 (IEEE division), clamped to +-448, rounded to nearest even e4m3.
+
+Limits: CUDA tensors, bf16 inputs whose last dim is contiguous, H divisible by a head group of 8, 4, 2 or
+1, Dh a power of two. Callers check :func:`v_quant_problem`. Registered as the custom op
+``qwen_edit_hopper::joint_v_quantize`` (``torch.library.triton_op``), so compiled blocks keep it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .qk_norm_quant import _head_group, qk_norm_quant_problem
+from .quant import E4M3_MAX, FP8_DTYPE
+
+__all__ = ["AMAX_FLOOR", "OP_NAME", "joint_v_quantize", "reference_joint_v_quantize", "v_quant_problem"]
+
+OP_NAME = "qwen_edit_hopper::joint_v_quantize"
+
+AMAX_FLOOR = 1e-12
+"""An all-zero v still gets a finite scale (as ``quantize_per_tensor`` clamps)."""
+
+ROWS_PER_AMAX_PROGRAM = 32
+"""Tokens per program of the max pass: 266 x 3 programs (and atomics) at 8492 tokens, 24 heads."""
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+except ImportError:  # pragma: no cover - depends on the torch build; v_quant_problem reports it
+    triton = None
+
+
+def v_quant_problem(device: torch.device, head_dim: int) -> str | None:
+    """Why the kernels cannot run for heads of ``head_dim`` on ``device``, or None when they can."""
+    problem = qk_norm_quant_problem(device, head_dim)
+    return None if problem is None else problem.replace("QK norm + RoPE + quantize", "v quantize")
+
+
+def _with_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x if bias is None else x + bias.reshape(x.shape[-2:]).to(x.dtype)
+
+
+def reference_joint_v_quantize(v_img: torch.Tensor, v_txt: torch.Tensor, b_img: torch.Tensor | None = None,
+                               b_txt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernels compute, in plain torch (any device): the block's concatenation and per-tensor cast.
+
+    Returns (v8 (B, S_img + S_txt, H, Dh) float8_e4m3fn, descale (1, 1, 1, 1) float32 = amax / 448).
+    """
+    from .attention.cudnn_fp8 import quantize_per_tensor
+
+    return quantize_per_tensor(torch.cat([_with_bias(v_img, b_img), _with_bias(v_txt, b_txt)], dim=1))
+
+
+if triton is not None:
+    from .attention.triton_fp8 import _to_e4m3, interpreter_active
+
+    _E4M3_MAX = tl.constexpr(E4M3_MAX)
+    _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+
+    @triton.jit
+    def _load_token(img_ptr, txt_ptr, b_img_ptr, b_txt_ptr, t, b, s_img, sib, sis, sih, stb, sts, sth, hs, dims,
+                    HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr):  # noqa: N803
+        """Token ``t`` of sample ``b`` of the joint sequence, heads ``hs``: (HG, Dh) float32, bias added in bf16."""
+        if t < s_img:
+            x = tl.load(img_ptr + b * sib + t * sis + hs[:, None] * sih + dims[None, :])
+            bias_ptrs = b_img_ptr + hs[:, None] * HEAD_DIM + dims[None, :]
+        else:
+            x = tl.load(txt_ptr + b * stb + (t - s_img) * sts + hs[:, None] * sth + dims[None, :])
+            bias_ptrs = b_txt_ptr + hs[:, None] * HEAD_DIM + dims[None, :]
+        if HAS_BIAS:
+            x = (x.to(tl.float32) + tl.load(bias_ptrs).to(tl.float32)).to(tl.bfloat16)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _v_amax_kernel(img_ptr, txt_ptr, b_img_ptr, b_txt_ptr, amax_ptr, rows_total, s_img, s_joint, sib, sis, sih,
+                       stb, sts, sth, HAS_BIAS: tl.constexpr, HG: tl.constexpr, HEAD_DIM: tl.constexpr,  # noqa: N803
+                       ROWS: tl.constexpr):  # noqa: N803
+        first = tl.program_id(0).to(tl.int64) * ROWS
+        hs = tl.program_id(1) * HG + tl.arange(0, HG)
+        dims = tl.arange(0, HEAD_DIM)
+        peak = tl.zeros((HG, HEAD_DIM), dtype=tl.float32)
+        for i in range(ROWS):
+            row = first + i
+            if row < rows_total:
+                x = _load_token(img_ptr, txt_ptr, b_img_ptr, b_txt_ptr, row % s_joint, row // s_joint, s_img, sib,
+                                sis, sih, stb, sts, sth, hs, dims, HAS_BIAS, HEAD_DIM)
+                peak = tl.maximum(peak, tl.abs(x))
+        tl.atomic_max(amax_ptr, tl.max(tl.max(peak, axis=1), axis=0))
+
+    @triton.jit
+    def _v_cast_kernel(img_ptr, txt_ptr, b_img_ptr, b_txt_ptr, amax_ptr, out_ptr, s_img, s_joint, heads, sib, sis,
+                       sih, stb, sts, sth, HAS_BIAS: tl.constexpr, HG: tl.constexpr, HEAD_DIM: tl.constexpr,  # noqa: N803
+                       INTERPRET: tl.constexpr):  # noqa: N803
+        row = tl.program_id(0).to(tl.int64)
+        hs = tl.program_id(1) * HG + tl.arange(0, HG)
+        dims = tl.arange(0, HEAD_DIM)
+        x = _load_token(img_ptr, txt_ptr, b_img_ptr, b_txt_ptr, row % s_joint, row // s_joint, s_img, sib, sis, sih,
+                        stb, sts, sth, hs, dims, HAS_BIAS, HEAD_DIM)
+        inv = tl.math.div_rn(_E4M3_MAX, tl.maximum(tl.load(amax_ptr), _AMAX_FLOOR))
+        q = tl.clamp(x * inv, -_E4M3_MAX, _E4M3_MAX)
+        tl.store(out_ptr + row * heads * HEAD_DIM + hs[:, None] * HEAD_DIM + dims[None, :], _to_e4m3(q, INTERPRET))
+
+    @triton_op(OP_NAME, mutates_args={})
+    def _joint_v_quantize_op(v_img: torch.Tensor, v_txt: torch.Tensor, b_img: torch.Tensor | None,
+                             b_txt: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        b, si, h, d = v_img.shape
+        sj = si + v_txt.shape[1]
+        out = torch.empty((b, sj, h, d), dtype=FP8_DTYPE, device=v_img.device)
+        amax = torch.zeros(1, dtype=torch.float32, device=v_img.device)
+        group = _head_group(h)
+        has_bias = b_img is not None
+        strides = (v_img.stride(0), v_img.stride(1), v_img.stride(2), v_txt.stride(0), v_txt.stride(1),
+                   v_txt.stride(2))
+        biases = (b_img, b_txt) if has_bias else (v_img, v_txt)
+        rows = ROWS_PER_AMAX_PROGRAM
+        wrap_triton(_v_amax_kernel)[(triton.cdiv(b * sj, rows), h // group)](
+            v_img, v_txt, *biases, amax, b * sj, si, sj, *strides, HAS_BIAS=has_bias, HG=group, HEAD_DIM=d, ROWS=rows,
+            num_warps=4,
+        )  # fmt: skip
+        wrap_triton(_v_cast_kernel)[(b * sj, h // group)](
+            v_img, v_txt, *biases, amax, out, si, sj, h, *strides, HAS_BIAS=has_bias, HG=group, HEAD_DIM=d,
+            INTERPRET=interpreter_active(), num_warps=4,
+        )  # fmt: skip
+        return out, amax
+
+
+def joint_v_quantize(v_img: torch.Tensor, v_txt: torch.Tensor, b_img: torch.Tensor | None = None,
+                     b_txt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``quantize_per_tensor(cat([v_img + b_img, v_txt + b_txt], dim=1))`` (numerics: module docstring).
+
+    v_img: (B, S_img, H, Dh), v_txt: (B, S_txt, H, Dh) bf16 CUDA, last dim contiguous (other strides free);
+    b_img / b_txt: (H, Dh) or (H * Dh,) projection biases not yet added, or None. Returns (v8 (B, S_img + S_txt,
+    H, Dh) float8_e4m3fn contiguous, descale (1, 1, 1, 1) float32 = amax / 448). Raises ValueError with the
+    reason where the kernels cannot run.
+    """
+    b, _, h, d = v_img.shape
+    problem = v_quant_problem(v_img.device, d)
+    if problem is not None:
+        raise ValueError(problem)
+    if (v_img.dtype != torch.bfloat16 or v_txt.dtype != torch.bfloat16 or v_img.stride(-1) != 1
+            or v_txt.stride(-1) != 1 or v_txt.shape[0] != b or tuple(v_txt.shape[2:]) != (h, d)):
+        raise ValueError(f"joint_v_quantize takes bf16 (B, S, H, Dh) inputs with a contiguous last dim and equal B, H, "
+                         f"Dh, got {v_img.dtype} {tuple(v_img.shape)} strides {v_img.stride()} and {v_txt.dtype} "
+                         f"{tuple(v_txt.shape)} strides {v_txt.stride()}")
+    biases = (None, None)
+    if b_img is not None or b_txt is not None:  # a missing one is zeros: x + 0 rounds to x
+        zeros = torch.zeros(h, d, dtype=v_img.dtype, device=v_img.device)
+        biases = tuple((x if x is not None else zeros).to(v_img.dtype).reshape(h, d).contiguous()
+                       for x in (b_img, b_txt))  # fmt: skip
+    v8, amax = _joint_v_quantize_op(v_img, v_txt, *biases)
+    return v8, (amax.clamp_min(AMAX_FLOOR) / E4M3_MAX).reshape(1, 1, 1, 1)
