@@ -18,29 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness_core as hc
+
 SHAPES = (("qkv", 3072, 9216), ("out", 3072, 3072), ("fc1", 3072, 12288), ("fc2", 12288, 3072))
 
 
 def time_ms(fn, calls: int = 20, reps: int = 7) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    """Median ms per call of ``calls`` calls back to back between two CUDA events (no launch gaps)."""
+    return hc.time_calls(lambda: [fn() for _ in range(calls)], torch.device("cuda"), warmup=3, reps=reps)["ms"] / calls
 
 
 def scaled_mm(a8, a_scale, b8_t, b_scale):

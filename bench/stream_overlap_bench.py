@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness_core as hc
 
 SHAPES = (("qkv", 3072, 9216), ("out", 3072, 3072), ("fc1", 3072, 12288), ("fc2", 12288, 3072))
 MOD = ("mod", 3072, 18432)
@@ -44,18 +46,8 @@ def mm(a, w):
 
 
 def time_ms(fn, reps: int = 30) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of one call (CUDA events around each call, synchronized: small calls include launch gaps)."""
+    return hc.time_calls(fn, torch.device("cuda"), warmup=5, reps=reps)["ms"]
 
 
 def side_by_side(main_fn, side_fn, side: torch.cuda.Stream):

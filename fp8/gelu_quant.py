@@ -113,6 +113,24 @@ if triton is not None:
         return h.to(tl.bfloat16).to(tl.float32)
 
     @triton.jit
+    def _quantize_store_row(out_row, scale_ptr, h0, h1, h2, cols, mask, BLOCK: tl.constexpr,  # noqa: N803
+                            CHUNKS: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
+        """Row-wise e4m3 of a float32 row held as one masked chunk ``h0`` (masked lanes 0; h1, h2 ignored) or as
+        three chunks: scale ``max(amax, EPS) / 448`` stored at ``scale_ptr``, the codes at ``out_row``."""
+        amax = tl.max(tl.abs(h0), axis=0)
+        if CHUNKS == 3:
+            amax = tl.maximum(amax, tl.maximum(tl.max(tl.abs(h1), axis=0), tl.max(tl.abs(h2), axis=0)))
+        scale = tl.maximum(amax, _EPS) / _E4M3_MAX
+        inv = 1.0 / scale
+        if CHUNKS == 3:
+            tl.store(out_row + cols, _to_e4m3(tl.clamp(h0 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET))
+            tl.store(out_row + BLOCK + cols, _to_e4m3(tl.clamp(h1 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET))
+            tl.store(out_row + 2 * BLOCK + cols, _to_e4m3(tl.clamp(h2 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET))
+        else:
+            tl.store(out_row + cols, _to_e4m3(tl.clamp(h0 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET), mask=mask)
+        tl.store(scale_ptr, scale)
+
+    @triton.jit
     def _gelu_quant_kernel(y_ptr, bias_ptr, out_ptr, scale_ptr, n_cols, stride_y, stride_out,
                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,  # noqa: N803
                            INTERPRET: tl.constexpr):  # noqa: N803
@@ -126,20 +144,10 @@ if triton is not None:
             h0 = _gelu_chunk(y_row, bias_ptr, cols, mask, HAS_BIAS, False)
             h1 = _gelu_chunk(y_row + BLOCK, bias_ptr + BLOCK, cols, mask, HAS_BIAS, False)
             h2 = _gelu_chunk(y_row + 2 * BLOCK, bias_ptr + 2 * BLOCK, cols, mask, HAS_BIAS, False)
-            amax = tl.maximum(tl.maximum(tl.max(tl.abs(h0), axis=0), tl.max(tl.abs(h1), axis=0)),
-                              tl.max(tl.abs(h2), axis=0))
         else:
             h0 = _gelu_chunk(y_row, bias_ptr, cols, mask, HAS_BIAS, True)
-            amax = tl.max(tl.abs(h0), axis=0)
-        scale = tl.maximum(amax, _EPS) / _E4M3_MAX
-        inv = 1.0 / scale
-        if CHUNKS == 3:
-            tl.store(out_row + cols, _to_e4m3(tl.clamp(h0 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET))
-            tl.store(out_row + BLOCK + cols, _to_e4m3(tl.clamp(h1 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET))
-            tl.store(out_row + 2 * BLOCK + cols, _to_e4m3(tl.clamp(h2 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET))
-        else:
-            tl.store(out_row + cols, _to_e4m3(tl.clamp(h0 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET), mask=mask)
-        tl.store(scale_ptr + row, scale)
+            h1, h2 = h0, h0
+        _quantize_store_row(out_row, scale_ptr + row, h0, h1, h2, cols, mask, BLOCK, CHUNKS, INTERPRET)
 
     @triton_op(OP_NAME, mutates_args={})
     def _gelu_quantize_op(y: torch.Tensor, bias: torch.Tensor | None, num_warps: int = DEFAULT_WARPS,

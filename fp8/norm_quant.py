@@ -33,7 +33,7 @@ import torch
 
 from . import gelu_quant
 from .gelu_quant import gelu_quant_problem, row_chunks
-from .quant import E4M3_MAX, EPS, FP8_DTYPE, quantize_rowwise
+from .quant import FP8_DTYPE, quantize_rowwise
 
 __all__ = [
     "OP_NAME",
@@ -107,10 +107,8 @@ def reference_residual_modulate_quantize(x: torch.Tensor, y: torch.Tensor, bias:
 
 
 if triton is not None:
-    from .attention.triton_fp8 import _to_e4m3, interpreter_active
-
-    _EPS = tl.constexpr(EPS)
-    _E4M3_MAX = tl.constexpr(E4M3_MAX)
+    from .attention.triton_fp8 import interpreter_active
+    from .gelu_quant import _quantize_store_row
 
     @triton.jit
     def _residual_chunk(x_ptr, y_ptr, bias_ptr, gate_ptr, new_ptr, cols, mask, RESIDUAL: tl.constexpr,  # noqa: N803
@@ -172,24 +170,14 @@ if triton is not None:
             m0 = _modulated_chunk(x0, mean, rstd, shift_row, scale_row, cols, mask, False)
             m1 = _modulated_chunk(x1, mean, rstd, shift_row + BLOCK, scale_row + BLOCK, cols, mask, False)
             m2 = _modulated_chunk(x2, mean, rstd, shift_row + 2 * BLOCK, scale_row + 2 * BLOCK, cols, mask, False)
-            amax = tl.maximum(tl.maximum(tl.max(tl.abs(m0), axis=0), tl.max(tl.abs(m1), axis=0)),
-                              tl.max(tl.abs(m2), axis=0))
         else:
             x0 = _residual_chunk(x_row, y_row, bias_ptr, gate_row, new_row, cols, mask, RESIDUAL, HAS_BIAS, True)
             mean = tl.sum(x0, axis=0) / n_cols
             centered = tl.where(mask, x0 - mean, 0.0)
             rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
             m0 = _modulated_chunk(x0, mean, rstd, shift_row, scale_row, cols, mask, True)
-            amax = tl.max(tl.abs(m0), axis=0)
-        qscale = tl.maximum(amax, _EPS) / _E4M3_MAX
-        inv = 1.0 / qscale
-        if CHUNKS == 3:
-            tl.store(out_row + cols, _to_e4m3(tl.clamp(m0 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET))
-            tl.store(out_row + BLOCK + cols, _to_e4m3(tl.clamp(m1 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET))
-            tl.store(out_row + 2 * BLOCK + cols, _to_e4m3(tl.clamp(m2 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET))
-        else:
-            tl.store(out_row + cols, _to_e4m3(tl.clamp(m0 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET), mask=mask)
-        tl.store(scale_ptr + row, qscale)
+            m1, m2 = m0, m0
+        _quantize_store_row(out_row, scale_ptr + row, m0, m1, m2, cols, mask, BLOCK, CHUNKS, INTERPRET)
 
     def _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, residual, num_warps, split_rows):
         """residual: None or (y2d, bias or None, gate_index, new2d). Returns (x8, scale)."""
