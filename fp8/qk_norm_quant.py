@@ -25,7 +25,13 @@ import torch
 from .gelu_quant import gelu_quant_problem
 from .quant import E4M3_MAX, FP8_DTYPE
 
-__all__ = ["OP_NAME", "qk_norm_quant_problem", "qk_norm_rope_quantize", "reference_qk_norm_rope_quantize"]
+__all__ = [
+    "OP_NAME",
+    "qk_norm_quant_problem",
+    "qk_norm_rope_quantize",
+    "reference_qk_norm_rope_quantize",
+    "stream_biases",
+]
 
 OP_NAME = "qwen_edit_hopper::qk_norm_rope_quantize"
 
@@ -49,6 +55,18 @@ def qk_norm_quant_problem(device: torch.device, head_dim: int) -> str | None:
     if head_dim < 2 or head_dim & (head_dim - 1):
         return f"head dim {head_dim} is not a power of two"
     return None
+
+
+def stream_biases(b_img: torch.Tensor | None, b_txt: torch.Tensor | None, like: torch.Tensor
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The (image, text) projection biases as contiguous (H, Dh) tensors in ``like``'s dtype ((B, S, H, Dh)
+    input), a missing one as zeros (x + 0 rounds to x); (None, None) when neither is given."""
+    if b_img is None and b_txt is None:
+        return None, None
+    heads, head_dim = like.shape[2], like.shape[3]
+    zeros = torch.zeros(heads, head_dim, dtype=like.dtype, device=like.device)
+    return tuple((b if b is not None else zeros).to(like.dtype).reshape(heads, head_dim).contiguous()
+                 for b in (b_img, b_txt))  # fmt: skip
 
 
 def reference_qk_norm_rope_quantize(x_img, x_txt, w_img, w_txt, eps_img, eps_txt, cos, sin, bound, b_img=None,
@@ -158,11 +176,7 @@ def qk_norm_rope_quantize(x_img: torch.Tensor, x_txt: torch.Tensor, w_img: torch
         raise ValueError(f"qk_norm_rope_quantize takes bf16 (B, S, H, Dh) inputs with a contiguous last dim, got "
                          f"{x_img.dtype} strides {x_img.stride()} and {x_txt.dtype} strides {x_txt.stride()}")
     ones = None if w_img is not None and w_txt is not None else torch.ones(d, dtype=x_img.dtype, device=x_img.device)
-    biases = (None, None)
-    if b_img is not None or b_txt is not None:  # a missing one is zeros: x + 0 rounds to x
-        zeros = torch.zeros(x_img.shape[2], d, dtype=x_img.dtype, device=x_img.device)
-        biases = tuple((b if b is not None else zeros).to(x_img.dtype).reshape(x_img.shape[2], d).contiguous()
-                       for b in (b_img, b_txt))  # fmt: skip
+    biases = stream_biases(b_img, b_txt, x_img)
     return _qk_norm_rope_quantize_op(
         x_img, x_txt, (w_img if w_img is not None else ones).to(x_img.dtype).contiguous(),
         (w_txt if w_txt is not None else ones).to(x_img.dtype).contiguous(), *biases, float(eps_img),

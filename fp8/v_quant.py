@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .qk_norm_quant import _head_group, qk_norm_quant_problem
+from .qk_norm_quant import _head_group, qk_norm_quant_problem, stream_biases
 from .quant import E4M3_MAX, FP8_DTYPE
 
 __all__ = ["AMAX_FLOOR", "OP_NAME", "joint_v_quantize", "reference_joint_v_quantize", "v_quant_problem"]
@@ -157,10 +157,5 @@ def joint_v_quantize(v_img: torch.Tensor, v_txt: torch.Tensor, b_img: torch.Tens
         raise ValueError(f"joint_v_quantize takes bf16 (B, S, H, Dh) inputs with a contiguous last dim and equal B, H, "
                          f"Dh, got {v_img.dtype} {tuple(v_img.shape)} strides {v_img.stride()} and {v_txt.dtype} "
                          f"{tuple(v_txt.shape)} strides {v_txt.stride()}")
-    biases = (None, None)
-    if b_img is not None or b_txt is not None:  # a missing one is zeros: x + 0 rounds to x
-        zeros = torch.zeros(h, d, dtype=v_img.dtype, device=v_img.device)
-        biases = tuple((x if x is not None else zeros).to(v_img.dtype).reshape(h, d).contiguous()
-                       for x in (b_img, b_txt))  # fmt: skip
-    v8, amax = _joint_v_quantize_op(v_img, v_txt, *biases)
+    v8, amax = _joint_v_quantize_op(v_img, v_txt, *stream_biases(b_img, b_txt, v_img))
     return v8, (amax.clamp_min(AMAX_FLOOR) / E4M3_MAX).reshape(1, 1, 1, 1)

@@ -80,3 +80,16 @@ def test_kernels_match_the_reference_under_the_interpreter():
         assert row["amax"] == row["want_amax"], row
         # a wrong stream, token or head order gives mismatches everywhere
         assert row["same_codes"] == 1.0, row
+
+
+def test_stream_biases_fill_a_missing_one_with_zeros():
+    """What the q / k / v kernels receive as biases (fp8.qk_norm_quant.stream_biases)."""
+    from qwen_edit_hopper.fp8.qk_norm_quant import stream_biases
+
+    v_img, _, b_img, b_txt = _streams()
+    assert stream_biases(None, None, v_img) == (None, None)
+    img, txt = stream_biases(None, b_txt.float(), v_img)  # flat (H * Dh,) fp32 -> (H, Dh) in v's dtype
+    assert img.shape == txt.shape == (4, 32) and img.dtype == txt.dtype == torch.bfloat16
+    assert not img.any() and torch.equal(txt, b_txt.reshape(4, 32)) and txt.is_contiguous()
+    img, txt = stream_biases(b_img, None, v_img)
+    assert torch.equal(img, b_img) and not txt.any()
