@@ -48,15 +48,22 @@ def set_regional_compile(resident: Resident, choice: CompileChoice | None) -> No
     """Run the module's blocks through one compiled block function for ``choice``, or eagerly when None.
 
     ``dynamic`` True marks the sequence dims dynamic (a new resolution or prompt length reuses the
-    graph; batch 1 and batch 2 are two graphs); False specializes on every shape.
+    graph; batch 1 and batch 2 are two graphs); False specializes on every shape. ``cuda_graphs`` runs
+    each CUDA forward through whole-forward CUDA graphs (``fast.graphs``).
     """
+    from .fast.graphs import disable_cuda_graphs, enable_cuda_graphs
     from .fast_forward import compile_blocks, uncompile_blocks
 
     if choice is None:
         uncompile_blocks(resident.module)
+        disable_cuda_graphs(resident.module)
         return
     mode = None if choice.mode == "default" else choice.mode
     compile_blocks(resident.module, mode=mode, dynamic=None if choice.dynamic else False)
+    if choice.cuda_graphs:
+        enable_cuda_graphs(resident.module)
+    else:
+        disable_cuda_graphs(resident.module)
 
 
 def compiled_forward_context(choice: CompileChoice | None):

@@ -20,6 +20,8 @@ What differs from DiffSynth (none of it changes the function; tests/unit/test_fa
 * RoPE from cached real cos/sin tables, fused with the QK RMSNorm (:mod:`.fast.rope`, :mod:`.fast.block`);
 * no host syncs per call: RoPE tables and zero_cond_t's token selector are cached per shape, text
   lengths per mask tensor (or given as ``txt_seq_lens``);
+* optionally (``QWEN_EDIT_FUSED_MODULATION=1``, fp8 modulation weights on a GPU), all blocks' ``img_mod`` /
+  ``txt_mod`` linears run before the first block in two launches (:mod:`.fast.modulation`);
 * ``norm_out`` / ``proj_out`` run on the target image tokens only (DiffSynth computes all, then slices);
 * the final unpatchify keeps the batch (DiffSynth's fixes B = 1).
 
@@ -38,6 +40,8 @@ import torch.nn.functional as F  # noqa: N812
 
 from .fast.block import MASK_BACKENDS, fast_block, length_carriers
 from .fast.compile import compile_blocks, compiled_blocks, mark_sequence_dynamic, uncompile_blocks
+from .fast.graphs import forward_graphs
+from .fast.modulation import block_modulations
 from .fast.qkv import FUSED_QKV_PATTERN, fuse_qkv
 from .fast.rope import rope_tables, target_selector
 from .fast.text import batch_prompts, text_lengths
@@ -145,12 +149,37 @@ def fast_model_fn(
         ignored: other ``model_fn_qwen_image`` arguments that do not change the result here
             (``progress_id``, ``use_gradient_checkpointing``, ...); features it does not support raise.
 
+    With :func:`.fast.graphs.enable_cuda_graphs` on ``dit`` (Compile Model's ``cuda_graphs``), CUDA calls run
+    as one captured CUDA graph per input signature (:mod:`.fast.graphs`).
+
     Returns:
         (B, 16, H/8, W/8) prediction in the model dtype. For B = 1 and an unpadded prompt this equals
         ``model_fn_qwen_image`` (fp32 rel. error ~1e-7); sample i of a batch equals a batch-1 call with
         prompt i (its valid tokens only).
     """
     _reject_unsupported(ignored)
+    refs = None if edit_latents is None else (
+        [edit_latents] if isinstance(edit_latents, torch.Tensor) else list(edit_latents))
+    graphs = forward_graphs(dit)
+    if graphs is not None and latents.is_cuda and not torch.cuda.is_current_stream_capturing():
+        if text_padding == "split" and txt_seq_lens is None and prompt_emb_mask is not None:
+            txt_seq_lens = text_lengths(prompt_emb_mask)  # on the host, before anything is captured
+        inputs = {"latents": latents, "timestep": timestep, "prompt_emb": prompt_emb,
+                  "prompt_emb_mask": prompt_emb_mask, "edit_latents": refs}
+        options = {"height": height, "width": width, "zero_cond_t": zero_cond_t,
+                   "attention_backend": attention_backend, "text_padding": text_padding,
+                   "edit_rope_interpolation": edit_rope_interpolation,
+                   "txt_seq_lens": None if txt_seq_lens is None else tuple(int(n) for n in txt_seq_lens)}
+        return graphs.run(dit, _forward, inputs, options)
+    return _forward(dit, latents, timestep, prompt_emb, prompt_emb_mask, height, width, refs, zero_cond_t,
+                    attention_backend, txt_seq_lens, text_padding, edit_rope_interpolation)
+
+
+def _forward(dit: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor, prompt_emb: torch.Tensor,
+             prompt_emb_mask: torch.Tensor, height: int, width: int, edit_latents: list[torch.Tensor] | None,
+             zero_cond_t: bool, attention_backend: str, txt_seq_lens: Sequence[int] | None, text_padding: str,
+             edit_rope_interpolation: bool) -> torch.Tensor:
+    """The forward of :func:`fast_model_fn` (arguments checked here, except the unsupported ones)."""
     if text_padding not in TEXT_PADDING_MODES:
         raise ValueError(f"text_padding={text_padding!r}; allowed: {', '.join(TEXT_PADDING_MODES)}")
     if text_padding == "mask" and attention_backend not in MASK_BACKENDS:
@@ -166,8 +195,7 @@ def fast_model_fn(
     text_len = prompt_emb.shape[1]
 
     # Image tokens: target, then each reference (expanded to the batch), as DiffSynth concatenates them.
-    refs = [] if edit_latents is None else (
-        [edit_latents] if isinstance(edit_latents, torch.Tensor) else list(edit_latents))
+    refs = edit_latents or []
     img_shapes = [(1, h, w)]
     parts = [_patchify(latents)]
     for i, ref in enumerate(refs):
@@ -216,11 +244,12 @@ def fast_model_fn(
     if mark:
         mark_sequence_dynamic((cos, 0), (sin, 0), (selector, 1), (key_mask, 3),
                               *((c, 0) for c in carriers or ()))
-    for block in dit.transformer_blocks:
+    mods = block_modulations(dit, temb_img, temb_txt)
+    for i, block in enumerate(dit.transformer_blocks):
         if mark:
             mark_sequence_dynamic((image, 1), (text, 1))
         image, text = block_fn(block, image, text, temb_img, temb_txt, cos, sin, selector, carriers, key_mask,
-                               attention_backend)
+                               attention_backend, None if mods is None else mods[i])
 
     out_cond = conditioning[: conditioning.shape[0] // 2] if zero_cond_t else conditioning
     image = dit.proj_out(dit.norm_out(image[:, :target_tokens], out_cond))

@@ -57,6 +57,11 @@ class CompileChoice:
 
     mode: str = "default"
     dynamic: bool = True
+    cuda_graphs: bool = False
+    """Whole-forward CUDA graphs (``qwen_edit.fast.graphs``): one capture per input shape, then replays."""
+
+    def describe(self) -> str:
+        return self.mode + (", CUDA graphs" if self.cuda_graphs else "")
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ class PipePlan:
         lines = [f"variant: {self.variant.value} ({self.variant_reason})", f"attention: {self.attention}"]
         lines += [f"lora: {lora.name} x {lora.strength:g}" for lora in self.loras]
         lines.append(f"fp8: {self.fp8.describe() if self.fp8 is not None else 'off (bf16)'}")
-        lines.append(f"compile: {self.compile.mode if self.compile else 'off (eager)'}")
+        lines.append(f"compile: {self.compile.describe() if self.compile else 'off (eager)'}")
         return "\n".join(lines)
 
     def short_label(self) -> str:
@@ -108,7 +113,7 @@ class PipePlan:
         if self.loras:
             parts.append("+".join(f"{lora.path.stem}x{lora.strength:g}" for lora in self.loras))
         if self.compile:
-            parts.append("compiled")
+            parts.append("compiled" + (" + CUDA graphs" if self.compile.cuda_graphs else ""))
         if self.attention not in ("auto", "sdpa"):
             parts.append(self.attention)
         return " + ".join(parts)

@@ -209,6 +209,7 @@ def fast_block(
     txt_lens: tuple[int, ...] | None,
     key_mask: torch.Tensor | None,
     backend: str,
+    mods: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One ``QwenImageTransformerBlock`` forward; returns ``(image, text)`` (DiffSynth returns ``(text, image)``).
 
@@ -227,6 +228,8 @@ def fast_block(
             (per-sample attention).
         key_mask: None, or a (B, 1, 1, S_img + L) bool SDPA key mask.
         backend: attention backend name (``fp8.attention.BACKENDS``).
+        mods: None, or this block's ``(img_mod.1(temb_img), txt_mod.1(temb_txt))`` computed beforehand
+            (:func:`.modulation.block_modulations`), (rows, 6 * D) each.
 
     Returns:
         ``(image, text)`` with the input shapes and dtypes.
@@ -234,8 +237,10 @@ def fast_block(
     attn = block.attn
     dim = image.shape[-1]
     si = image.shape[1]
-    img_mod = block.img_mod[1](temb_img)
-    txt_mod = block.txt_mod[1](temb_txt)
+    if mods is None:
+        img_mod, txt_mod = block.img_mod[1](temb_img), block.txt_mod[1](temb_txt)
+    else:
+        img_mod, txt_mod = mods
     img_p = _mod_params(img_mod, dim, selector)
     txt_p = _mod_params(txt_mod, dim, None)
 

@@ -121,7 +121,9 @@ def cudnn_fp8_joint_attention(
     q8, k8, v8 = q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2)
     lengths = None
     if txt_lens is not None:
-        lengths = torch.tensor([image_tokens + c.shape[0] for c in txt_lens], dtype=torch.int32, device=v_img.device)
+        # device fills, not torch.tensor(list): no host-to-device copy, so a CUDA graph can capture it
+        lengths = torch.cat([torch.full((1,), image_tokens + c.shape[0], dtype=torch.int32, device=v_img.device)
+                             for c in txt_lens])  # fmt: skip
     out8 = attention_quantized(q8, k8, v8, dq, dk, dv, emulate, lengths)
     if fp8_output:
         return Fp8AttentionOutput(out8, dv.reshape(1, 1))

@@ -1,0 +1,250 @@
+"""Many fp8 linears that take the same few input rows, in one Triton launch (CUDA).
+
+In a DiT, every block's timestep-modulation linear (Qwen-Image: ``img_mod.1`` / ``txt_mod.1``, 3072 ->
+18432, 60 blocks each) is applied to the same ``silu(timestep embedding)``: one row per timestep, so
+M = 1 (2 for Qwen-Image-Edit-2511's zero_cond_t). Each such call is a matrix-vector product that reads
+the whole weight: 120 calls read 6.8 GB of e4m3 per forward. One ``torch._scaled_mm`` call per layer
+moves it at about 2.3 TB/s on an H200 (3.0 ms per forward, ``bench/cfg_batch_bench.py``), because each
+launch is too short to reach full bandwidth. :class:`SharedInputLinears` runs a whole group in one
+launch, over a table of the layers' weight, scale and bias addresses.
+
+Numerics: those of the layers it replaces, up to float32 summation order:
+
+* :class:`~.linear.ScaledMMLinear` (row-wise): the input is quantized row-wise by the layer's own
+  :meth:`~.linear.ScaledMMLinear.quantize_input`; ``y = (x8 . w8) * x_scale * w_scale + bias``;
+* :class:`~.linear.WeightOnlyLinear`: ``y = (x . w8) * w_scale + bias`` with the bf16 input as is
+  (the layer rounds the dequantized weight to bf16 first; this does not).
+
+Products and sums in float32, bias added in float32, one rounding to bf16 at the end (the layers round
+the GEMM output to bf16 before adding the bias).
+
+Limits: CUDA, bf16 input of at most :data:`MAX_ROWS` rows, e4m3 weights with per-output-channel scales,
+bf16 biases (all layers or none), equal (N, K) in a group, K divisible by :data:`BLOCK_K`. Callers check
+:func:`shared_input_problem`. The weights are read through raw addresses, so a group re-reads them (and
+rebuilds its table) whenever a layer's weight, scale or bias storage changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from .attention.triton_fp8 import interpreter_active
+from .linear import Fp8Linear, ScaledMMLinear, WeightOnlyLinear
+from .quant import FP8_DTYPE
+
+__all__ = ["BLOCK_K", "MAX_ROWS", "SharedInputLinears", "reference_shared_input", "shared_input_problem"]
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 4
+"""Input rows one launch takes (the tensor-core kernel pads them to 16)."""
+
+BLOCK_K = 256
+"""K must be a multiple of this (the kernels step through K 128 or 256 at a time, unmasked)."""
+DOT_CONFIG = (64, 128, 4, 4)
+"""(BN, BK, num_warps, num_stages) of the tensor-core kernel: 3.59 ms for the 120 modulation linears at one or two
+rows (1.9 TB/s), against 5.1 ms for 120 ``ScaledMMLinear`` calls (H200, ``bench/modulation_bench.py``)."""
+ONE_ROW_CONFIG = (16, 256, 4, 1, "fma")
+"""The kernel without tensor cores for one input row: 3.07 ms (2.2 TB/s) in the same run (4.4 ms at two rows)."""
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the torch build; shared_input_problem reports it
+    triton = None
+
+
+def _kind(layer: torch.nn.Module) -> str | None:
+    if isinstance(layer, ScaledMMLinear):
+        return "scaled_mm" if layer.granularity == "rowwise" and not layer.emulate else None
+    if isinstance(layer, WeightOnlyLinear):
+        return "weight_only"
+    return None
+
+
+def shared_input_problem(layers: Sequence[torch.nn.Module]) -> str | None:
+    """Why ``layers`` cannot run as one :class:`SharedInputLinears` launch, or None when they can."""
+    if triton is None:
+        return "Triton is not installed"
+    if not layers:
+        return "no layers"
+    kinds = {_kind(layer) for layer in layers}
+    if None in kinds or len(kinds) != 1:
+        return "the layers must all be row-wise ScaledMMLinear (not emulated) or all WeightOnlyLinear"
+    first = layers[0]
+    if any(layer.weight.shape != first.weight.shape for layer in layers):
+        return "the layers' weights differ in shape"
+    if first.in_features % BLOCK_K:
+        return f"in_features={first.in_features} is not divisible by {BLOCK_K}"
+    if any(layer.weight.dtype != FP8_DTYPE or tuple(layer.weight_scale.shape) != (layer.out_features, 1)
+           for layer in layers):  # fmt: skip
+        return "every weight must be e4m3 with one float32 scale per output channel"
+    with_bias = {layer.bias is not None for layer in layers}
+    if len(with_bias) != 1 or (True in with_bias and any(layer.bias.dtype != torch.bfloat16 for layer in layers)):
+        return "the layers must all have bf16 biases, or none"
+    device = first.weight.device
+    if device.type != "cuda" and not interpreter_active():
+        return f"the kernel needs CUDA tensors (the weights are on {device})"
+    if any(layer.weight.device != device for layer in layers):
+        return "the layers are on different devices"
+    return None
+
+
+def reference_shared_input(layers: Sequence[Fp8Linear], x: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in torch ops (any device): (L, R, N) bf16 for x (R, K) bf16."""
+    outs = []
+    for layer in layers:
+        if isinstance(layer, ScaledMMLinear):
+            x8, xs = layer.quantize_input(x)
+            y = (x8.float() @ layer.weight.float().t()) * xs.float().reshape(-1, 1)
+        else:
+            y = x.float() @ layer.weight.float().t()
+        y = y * layer.weight_scale.float().reshape(1, -1)
+        if layer.bias is not None:
+            y = y + layer.bias.float()
+        outs.append(y.to(torch.bfloat16))
+    return torch.stack(outs)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _shared_input_gemv_kernel(x_ptr, x_scale_ptr, w_table, s_table, b_table, out_ptr, n, ROWS: tl.constexpr,  # noqa: N803
+                                  K: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,  # noqa: N803
+                                  QUANTIZED_X: tl.constexpr, HAS_BIAS: tl.constexpr,  # noqa: N803
+                                  INTERPRET: tl.constexpr):  # noqa: N803
+        """out[layer, :, n0:n0 + BN] for program (n-tile, layer): the input rows (padded to BR with zeros) times
+        a (BN, K) slice of that layer's weight, as a tensor-core dot so Triton pipelines the weight loads."""
+        layer = tl.program_id(1)
+        w_ptr = tl.load(w_table + layer).to(tl.pointer_type(tl.float8e4nv))
+        s_ptr = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        offs_r = tl.arange(0, BR)
+        offs_k = tl.arange(0, BK)
+        n_ok = offs_n < n
+        r_ok = offs_r < ROWS
+        acc = tl.zeros((BR, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            x = tl.load(x_ptr + offs_r[:, None] * K + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
+            w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * K + (k0 + offs_k)[:, None], mask=n_ok[None, :],
+                        other=0.0)  # fmt: skip
+            if INTERPRET:  # the CPU interpreter multiplies bf16 as raw bits: float32 products, exact here
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            elif QUANTIZED_X:
+                acc = tl.dot(x, w, acc)
+            else:
+                acc = tl.dot(x, w.to(tl.bfloat16), acc)  # exact: every e4m3 value is a bf16 value
+        if QUANTIZED_X:
+            acc = acc * tl.load(x_scale_ptr + offs_r, mask=r_ok, other=0.0)[:, None]
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            b_ptr = tl.load(b_table + layer).to(tl.pointer_type(tl.bfloat16))
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + layer.to(tl.int64) * ROWS * n + offs_r[:, None] * n + offs_n[None, :]
+        tl.store(out, acc.to(tl.bfloat16), mask=r_ok[:, None] & n_ok[None, :])
+
+
+    @triton.jit
+    def _shared_input_gemv_fma_kernel(x_ptr, x_scale_ptr, w_table, s_table, b_table, out_ptr, n,
+                                      ROWS: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,  # noqa: N803
+                                      BK: tl.constexpr, QUANTIZED_X: tl.constexpr,  # noqa: N803
+                                      HAS_BIAS: tl.constexpr):  # noqa: N803
+        """The same product without tensor cores: (BN, BK) float32 partial products per input row, summed over
+        K at the end (one reduction per row instead of one per K step)."""
+        layer = tl.program_id(1)
+        w_ptr = tl.load(w_table + layer).to(tl.pointer_type(tl.float8e4nv))
+        s_ptr = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        n_ok = offs_n < n
+        scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+        bias = tl.zeros((BN,), dtype=tl.float32)
+        if HAS_BIAS:
+            b_ptr = tl.load(b_table + layer).to(tl.pointer_type(tl.bfloat16))
+            bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        acc0 = tl.zeros((BN, BK), dtype=tl.float32)
+        acc1 = tl.zeros((BN, BK), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :], mask=n_ok[:, None],
+                        other=0.0).to(tl.float32)  # fmt: skip
+            acc0 += w * tl.load(x_ptr + k0 + offs_k).to(tl.float32)[None, :]
+            if ROWS > 1:
+                acc1 += w * tl.load(x_ptr + K + k0 + offs_k).to(tl.float32)[None, :]
+        for r in tl.static_range(ROWS):
+            y = tl.sum(acc0 if r == 0 else acc1, axis=1)
+            if QUANTIZED_X:
+                y = y * tl.load(x_scale_ptr + r)
+            y = y * scale + bias
+            tl.store(out_ptr + (layer.to(tl.int64) * ROWS + r) * n + offs_n, y.to(tl.bfloat16), mask=n_ok)
+
+
+class SharedInputLinears:
+    """A group of fp8 linears (same shape and kind) applied to one input in one kernel launch.
+
+    ``SharedInputLinears(layers)(x)`` with x (R, K) bf16, R <= :data:`MAX_ROWS`, returns (L, R, N) bf16:
+    ``out[i]`` is ``layers[i](x)`` (numerics: module docstring). Raises ValueError with the reason where
+    the kernel cannot run (:func:`shared_input_problem`). Holds the layers' tensors while it lives.
+    """
+
+    def __init__(self, layers: Sequence[Fp8Linear]):
+        problem = shared_input_problem(layers)
+        if problem is not None:
+            raise ValueError(f"shared-input fp8 linears: {problem}")
+        self.layers = tuple(layers)
+        self.quantized_input = _kind(self.layers[0]) == "scaled_mm"
+        self.out_features, self.in_features = self.layers[0].weight.shape
+        self.config: tuple | None = None
+        """None: :data:`ONE_ROW_CONFIG` for one input row, :data:`DOT_CONFIG` otherwise; or (BN, BK, num_warps,
+        num_stages[, "fma"]) (``bench/modulation_bench.py`` compares configurations)."""
+        self._tables()
+
+    def _tensors(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        return tuple((layer.weight, layer.weight_scale, layer.bias) for layer in self.layers)
+
+    def _addresses(self) -> tuple[int, ...]:
+        return tuple(0 if t is None else t.data_ptr() for group in self._tensors() for t in group)
+
+    def _tables(self) -> None:
+        """(Re)build the address tables (after a layer's storage changed); keeps those tensors alive."""
+        tensors = self._tensors()
+        device = self.layers[0].weight.device
+        self._held = tensors
+        self._signature = self._addresses()
+        table = [[0 if t is None else t.data_ptr() for t in column] for column in zip(*tensors, strict=True)]
+        self._w_table, self._s_table, self._b_table = (torch.tensor(c, dtype=torch.int64, device=device) for c in table)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows, k = x.shape
+        if x.dtype != torch.bfloat16 or k != self.in_features or not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"shared-input fp8 linears take (R <= {MAX_ROWS}, {self.in_features}) bf16 input, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        if self._addresses() != self._signature:
+            logger.debug("shared-input fp8 linears: a layer's storage changed; rebuilding the address table")
+            self._tables()
+        x = x.contiguous()
+        if self.quantized_input:
+            x_in, x_scale = self.layers[0].quantize_input(x)
+            x_scale = x_scale.reshape(-1).float().expand(rows).contiguous()
+        else:
+            x_in, x_scale = x, x  # the scale pointer is unused
+        n = self.out_features
+        out = torch.empty((len(self.layers), rows, n), dtype=torch.bfloat16, device=x.device)
+        config = self.config or (ONE_ROW_CONFIG if rows == 1 else DOT_CONFIG)
+        block_n, block_k, warps, stages = config[:4]
+        grid = (triton.cdiv(n, block_n), len(self.layers))
+        if len(config) > 4 and rows <= 2:
+            _shared_input_gemv_fma_kernel[grid](
+                x_in, x_scale, self._w_table, self._s_table, self._b_table, out, n, ROWS=rows, K=k, BN=block_n,
+                BK=block_k, QUANTIZED_X=self.quantized_input, HAS_BIAS=self.layers[0].bias is not None,
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+            return out
+        _shared_input_gemv_kernel[grid](
+            x_in, x_scale, self._w_table, self._s_table, self._b_table, out, n, ROWS=rows, K=k, BR=16, BN=block_n,
+            BK=block_k, QUANTIZED_X=self.quantized_input, HAS_BIAS=self.layers[0].bias is not None,
+            INTERPRET=interpreter_active(), num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        return out

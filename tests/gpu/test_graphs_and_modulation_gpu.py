@@ -1,0 +1,157 @@
+"""Shared-input modulation launches and whole-forward CUDA graphs on a real GPU.
+
+Full-width DiT (dim 3072, 24 heads x 128), 2 blocks, random weights; 512x512 edit with one reference and
+prompts of 300 / 287 text tokens (as tests/gpu/test_fast_forward_gpu.py). Run on the device machine::
+
+    python3 -m pytest tests/gpu/test_graphs_and_modulation_gpu.py -m gpu -q -rs
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from qwen_edit_hopper.fp8 import Fp8Config, quantize_linears
+from qwen_edit_hopper.fp8.linear import ScaledMMLinear, WeightOnlyLinear
+from qwen_edit_hopper.fp8.shared_input_gemv import SharedInputLinears, reference_shared_input
+from qwen_edit_hopper.qwen_edit.checkpoints.dit import DiTConfig
+from qwen_edit_hopper.qwen_edit.fast import graphs, modulation
+from qwen_edit_hopper.qwen_edit.fast_forward import batch_prompts, compile_blocks, fast_model_fn, uncompile_blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from fast_forward_check import build_random_dit, make_inputs, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+WIDE = DiTConfig(dim=3072, num_layers=2, num_heads=24, head_dim=128, text_dim=3584)
+FASTEST = Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True)
+
+
+def _layers(kind: str, count: int = 3, k: int = 512, n: int = 384, bias: bool = True):
+    g = torch.Generator("cuda").manual_seed(0)
+    layers = []
+    for i in range(count):
+        linear = torch.nn.Linear(k, n, bias=bias, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(n, k, generator=g, device="cuda") * 0.05 * (i + 1))
+            if bias:
+                linear.bias.copy_(torch.randn(n, generator=g, device="cuda"))
+        layers.append(ScaledMMLinear.from_linear(linear, "rowwise") if kind == "scaled_mm"
+                      else WeightOnlyLinear.from_linear(linear))  # fmt: skip
+    return layers
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("kind", ["scaled_mm", "weight_only"])
+def test_shared_input_linears_match_the_layers(kind, rows):
+    layers = _layers(kind, bias=rows == 1 or kind == "scaled_mm")
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    group = SharedInputLinears(layers)
+    got = group(x)
+    assert got.shape == (3, rows, 384) and got.dtype == torch.bfloat16
+    with torch.no_grad():
+        per_layer = torch.stack([layer(x) for layer in layers])
+    assert rel_err(got, reference_shared_input(layers, x)) < 2e-3
+    # the layers round the GEMM (and, weight-only, the dequantized weight) to bf16 before the bias
+    assert rel_err(got, per_layer) < (4e-3 if kind == "scaled_mm" else 1e-2), rel_err(got, per_layer)
+
+
+def test_shared_input_linears_follow_a_replaced_weight():
+    layers = _layers("scaled_mm")
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    group = SharedInputLinears(layers)
+    before = group(x)
+    layers[1].weight.data = (layers[1].weight.float() * 0.5).to(layers[1].weight.dtype)  # new storage
+    after = group(x)
+    assert torch.equal(after[0], before[0]) and not torch.allclose(after[1], before[1])
+    assert rel_err(after, reference_shared_input(layers, x)) < 2e-3
+
+
+def test_shared_input_linears_refuse_mixed_layers():
+    mixed = _layers("scaled_mm", 2) + _layers("weight_only", 1)
+    with pytest.raises(ValueError, match="all be row-wise ScaledMMLinear"):
+        SharedInputLinears(mixed)
+
+
+@pytest.fixture(scope="module")
+def fp8_model():
+    model = build_random_dit(WIDE)
+    quantize_linears(model, FASTEST)
+    return model
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    x = make_inputs(WIDE, size=512)
+    prompts = x.pop("prompts")
+    return x, prompts
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
+def test_forward_with_shared_input_modulation_matches_per_block_calls(fp8_model, inputs, zero_cond_t):
+    x, prompts = inputs
+    outs, saved = {}, modulation.FUSED_MODULATION
+    try:
+        for fused in (False, True):
+            modulation.FUSED_MODULATION = fused
+            outs[fused] = fast_model_fn(fp8_model, **x, **prompts[0], zero_cond_t=zero_cond_t,
+                                        attention_backend="cudnn_fp8")  # fmt: skip
+    finally:
+        modulation.FUSED_MODULATION = saved
+    assert modulation._groups(fp8_model) is not None, "the fastest preset's modulation should take the fused path"
+    assert rel_err(outs[True], outs[False]) < 1e-2, rel_err(outs[True], outs[False])
+
+
+def _graph_vs_kernel_by_kernel(model, x, prompts):
+    """Batch 1, batch 2 with padded text, and new input values: graphed output against kernel-by-kernel."""
+    two = {**x, **batch_prompts(prompts), "latents": x["latents"].expand(2, -1, -1, -1)}
+    other = {**x, "latents": torch.randn_like(x["latents"])}
+    calls = [({**x, **prompts[0]}), two, ({**other, **prompts[0]})]
+    plain = [fast_model_fn(model, **c, attention_backend="cudnn_fp8") for c in calls]
+    state = graphs.enable_cuda_graphs(model)
+    try:
+        graphed = [fast_model_fn(model, **c, attention_backend="cudnn_fp8") for c in calls]
+        again = fast_model_fn(model, **calls[0], attention_backend="cudnn_fp8")
+        assert state.captures == 2 and state.replays == 4, (state.captures, state.replays)
+        for g, p in zip(graphed, plain, strict=True):
+            assert rel_err(g, p) < 1e-3, rel_err(g, p)
+        assert torch.equal(again, graphed[0])
+        assert rel_err(graphed[2], graphed[0]) > 1e-2  # new latents went into the graph
+        # a weight moved to new storage: the graphs are dropped and re-captured with it
+        block = model.transformer_blocks[1]
+        saved = block.img_mlp.net[2].weight.data
+        block.img_mlp.net[2].weight.data = (saved.float() * 0.5).to(saved.dtype)
+        try:
+            moved = fast_model_fn(model, **calls[0], attention_backend="cudnn_fp8")
+            assert state.captures == 3
+            graphs.disable_cuda_graphs(model)
+            assert rel_err(moved, fast_model_fn(model, **calls[0], attention_backend="cudnn_fp8")) < 1e-3
+            assert rel_err(moved, plain[0]) > 1e-3
+        finally:
+            block.img_mlp.net[2].weight.data = saved
+    finally:
+        graphs.disable_cuda_graphs(model)
+
+
+def test_cuda_graphs_match_kernel_by_kernel_eager_blocks(fp8_model, inputs):
+    x, prompts = inputs
+    _graph_vs_kernel_by_kernel(fp8_model, x, prompts)
+
+
+@pytest.mark.slow
+def test_cuda_graphs_match_kernel_by_kernel_compiled_blocks(fp8_model, inputs):
+    x, prompts = inputs
+    model = copy.deepcopy(fp8_model)
+    torch._dynamo.reset()
+    compile_blocks(model)
+    try:
+        _graph_vs_kernel_by_kernel(model, x, prompts)
+    finally:
+        uncompile_blocks(model)
+        torch._dynamo.reset()
