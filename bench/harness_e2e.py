@@ -243,6 +243,9 @@ VARIANT_SPECS: dict[str, dict[str, Any]] = {
     "fast/fp8-rowwise-compiled": {"backend": "scaled_mm_rowwise", "compile": True},
     "fast/fastest-compiled": {"backend": "scaled_mm_rowwise", "preset": "attn+mlp+mod compute",
                               "fast_accum": True, "compile": True, "attention": "cudnn_fp8"},
+    "fast/fastest-graphs-compiled": {"backend": "scaled_mm_rowwise", "preset": "attn+mlp+mod compute",
+                                     "fast_accum": True, "compile": True, "attention": "cudnn_fp8",
+                                     "cuda_graphs": True},
     "fast/fp8-tensorwise-compiled": {"backend": "scaled_mm_tensorwise", "compile": True},
     "fast/te-current-compiled": {"backend": "te", "recipe": "current", "compile": True},
     "fast/weight-only-eager": {"backend": "weight_only", "compile": False},
@@ -311,7 +314,10 @@ def plan_for(base_plan, variant: str, compile_choice=None):
         fp8 = Fp8Config(**kwargs)
     plan = base_plan.with_fp8(fp8)
     if spec["compile"]:
-        plan = plan.with_compile(compile_choice or CompileChoice())
+        choice = compile_choice or CompileChoice()
+        if spec.get("cuda_graphs"):
+            choice = dataclasses.replace(choice, cuda_graphs=True)
+        plan = plan.with_compile(choice)
     if "attention" in spec:
         plan = dataclasses.replace(plan, attention=spec["attention"])
     return plan

@@ -97,7 +97,9 @@ def main() -> int:
                         help="instead of the kernel variants: the shipped preset with each attention backend "
                              "(the first one again at the end), no micro-benchmarks; suffixes: -inductor-qk (no "
                              "fused QK norm + RoPE + quantize kernel), -inductor-v (no fused v quantize kernels), "
-                             "-unsplit (GELU / LayerNorm kernels without the three-chunk rows)")  # fmt: skip
+                             "-unsplit (GELU / LayerNorm kernels without the three-chunk rows), -permod (modulation "
+                             "linears called per block, not in two shared-input launches), -graphs (the pack's "
+                             "whole-forward CUDA graphs, fast.graphs)")  # fmt: skip
     parser.add_argument("--cuda-graph", action="store_true",
                         help="also time each variant's forward captured whole in one CUDA graph and replayed (no host "
                              "launch overhead: what the host side costs per forward)")  # fmt: skip
@@ -134,7 +136,7 @@ def main() -> int:
              "sdpa"),
         ]
     from qwen_edit_hopper.fp8 import gelu_quant
-    from qwen_edit_hopper.qwen_edit.fast import fp8_attention, prequant
+    from qwen_edit_hopper.qwen_edit.fast import fp8_attention, graphs, modulation, prequant
     from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
 
     with dynamo_settings():
@@ -147,9 +149,13 @@ def main() -> int:
             fp8_attention.FUSED_QK_QUANT = "-inductor-qk" not in backend
             fp8_attention.FUSED_V_QUANT = "-inductor-v" not in backend
             gelu_quant.SPLIT_ROWS = "-unsplit" not in backend
+            modulation.FUSED_MODULATION = "-permod" not in backend
+            with_graphs = "-graphs" in backend
             backend = backend.split("-")[0]
             module = build_fp8_dit(base, config)
             ff.compile_blocks(module)
+            if with_graphs:
+                graphs.enable_cuda_graphs(module)
 
             def call(module=module, backend=backend):
                 return hm.fast_forward(ff, module, inputs, attention=backend)
@@ -178,6 +184,9 @@ def main() -> int:
         print(f"{label:88s} {variant['ms']:8.1f} ms  err {variant['rel_err']:.2e}"
               + (f"  | one CUDA graph {graph['ms']:8.1f} ms err {graph['rel_err']:.2e}" if "ms" in graph else
                  f"  | CUDA graph: {graph['error'][:80]}" if graph else ""))
+    for label, p in results.get("profiles", {}).items():
+        cats = ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(p["by_category"].items(), key=lambda kv: -kv[1]))
+        print(f"kernels of {label[:60]}: {p['total_ms']:.1f} ms ({cats})")
     print(f"\nPROFILE of {prof['variant']}: {prof['total_ms']:.1f} ms of kernels")
     for name, ms in sorted(prof["by_category"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:28s} {ms:7.1f} ms  {100 * ms / prof['total_ms']:5.1f}%")

@@ -1,0 +1,113 @@
+"""A/B of the fast forward's host-side options on one fp8 model: modulation launches and CUDA graphs.
+
+Full-size Qwen-Image-Edit DiT, random weights, 1024x1024 edit with one reference image (8192 image +
+300 text tokens), the fastest preset (row-wise fp8, fast accumulation, "attn+mlp+mod compute", compiled
+blocks, ``cudnn_fp8`` attention). One fp8 model serves every variant; each variant's batch-1 forward and
+batch-2 forward (true CFG: cond + uncond) are timed in alternating rounds (CUDA events, median), so clock
+and power drift hit all variants alike. Variants:
+
+* ``per-block modulation``: each block calls its ``img_mod`` / ``txt_mod`` linears (the fifth session's path);
+* ``shared-input modulation``: all blocks' modulation linears in two launches (:mod:`qwen_edit.fast.modulation`);
+* ``... + CUDA graphs``: the same through the pack's whole-forward graphs (:mod:`qwen_edit.fast.graphs`).
+
+Also the whole-forward relative error of each against bf16 eager. Run from the repo root on an H100 /
+H200 (JSON in ``$OUT/forward_ab.json``)::
+
+    source bench/device_env.sh && python3 bench/forward_ab_bench.py [--out DIR] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import harness_core as hc
+import harness_models as hm
+from pack import load_pack
+
+VARIANTS = (
+    ("per-block modulation", False, False),
+    ("shared-input modulation", True, False),
+    ("shared-input modulation + CUDA graphs", True, True),
+    ("per-block modulation + CUDA graphs", False, True),
+)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    load_pack()
+    from qwen_edit_hopper.fp8 import Fp8Config
+    from qwen_edit_hopper.qwen_edit import fast_forward as ff
+    from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
+    from qwen_edit_hopper.qwen_edit.fast import graphs, modulation
+    from qwen_edit_hopper.qwen_edit.fp8_dit import build_fp8_dit
+
+    device = torch.device("cuda")
+    base = hm.build_dit(hm.FULL, device)
+    inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
+    reference = hm.fast_forward(ff, base, inputs).float()
+    config = Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True)
+    module = build_fp8_dit(base, config)
+    del base
+    torch.cuda.empty_cache()
+    ff.compile_blocks(module)
+
+    def runner(fused: bool, graphed: bool, batch: int):
+        def call():
+            modulation.FUSED_MODULATION = fused
+            if graphed:
+                graphs.enable_cuda_graphs(module)
+            else:
+                graphs.disable_cuda_graphs(module)
+            return hm.fast_forward(ff, module, inputs, batch=batch, attention="cudnn_fp8")
+
+        return call
+
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}
+    times: dict[tuple[str, int], list[float]] = {}
+    with dynamo_settings():
+        for label, fused, graphed in VARIANTS:
+            for batch in (1, 2):
+                out = runner(fused, graphed, batch)()
+                if batch == 1:
+                    results["variants"][label] = {"rel_err": rel_err(out, reference)}
+                times[(label, batch)] = []
+        for _ in range(args.rounds):
+            for label, fused, graphed in VARIANTS:
+                for batch in (1, 2):
+                    # only the graphed variants keep graphs: switching variants drops them, so re-capture first
+                    call = runner(fused, graphed, batch)
+                    call()
+                    times[(label, batch)].append(hc.time_calls(call, device, warmup=1, reps=args.reps)["ms"])
+    for label, _, _ in VARIANTS:
+        one, two = (statistics.median(times[(label, b)]) for b in (1, 2))
+        results["variants"][label].update({"batch1_ms": round(one, 2), "batch2_ms": round(two, 2),
+                                           "ratio": round(two / one, 3),
+                                           "rounds_batch1": [round(t, 2) for t in times[(label, 1)]]})  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "forward_ab.json").write_text(json.dumps(results, indent=1))
+    print(f"\n{'variant':42s} {'batch 1 ms':>10s} {'batch 2 ms':>10s} {'b2 / b1':>8s} {'rel. error':>10s}")
+    for label, v in results["variants"].items():
+        print(f"{label:42s} {v['batch1_ms']:10.2f} {v['batch2_ms']:10.2f} {v['ratio']:8.3f} {v['rel_err']:10.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
