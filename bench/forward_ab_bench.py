@@ -69,8 +69,13 @@ def main() -> int:
     torch.cuda.empty_cache()
     ff.compile_blocks(module)
 
+    current = [None]
+
     def runner(fused: bool, graphed: bool, batch: int):
         def call():
+            if current[0] != (fused, graphed):  # the modulation switch is not in a graph's signature
+                graphs.disable_cuda_graphs(module)
+                current[0] = (fused, graphed)
             modulation.FUSED_MODULATION = fused
             if graphed:
                 graphs.enable_cuda_graphs(module)

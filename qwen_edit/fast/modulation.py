@@ -9,9 +9,9 @@ runs keep the per-block calls (the reason is logged once per model).
 
 Off by default (``QWEN_EDIT_FUSED_MODULATION=1`` turns it on): measured on an H200 it does not pay yet. The
 two launches take 3.1 ms per forward (2.2 TB/s), the same as the compiled blocks' own 120 GEMVs in the
-profile (3.0 ms), and the forward was 189.3 against 187.4 ms kernel by kernel, 186.3 against 186.6 ms with
-CUDA graphs (``bench/forward_ab_bench.py``, docs/benchmarks.md). A kernel that reached 4 TB/s would save
-about 1.3 ms.
+profile (3.0 ms), and the forward was 189.3 against 187.4 ms (``bench/forward_ab_bench.py``,
+docs/benchmarks.md). A kernel that reached 4 TB/s would save about 1.3 ms. The switch is read on the host and
+is not part of a CUDA graph's signature: change it before graphs are captured (or drop them).
 """
 
 from __future__ import annotations
