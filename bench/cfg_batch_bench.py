@@ -50,20 +50,6 @@ def alternate(fns: dict, rounds: int = 4, reps: int = 5) -> dict:
     return {name: round(statistics.median(ts), 3) for name, ts in times.items()}
 
 
-def graphed(call):
-    """``call`` captured in one CUDA graph after warm-up on a side stream; returns the graph's replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay, graph
-
-
 def profile(fn) -> dict:
     """Device ms per kernel name and per ``aten::_scaled_mm`` input shapes for one call of ``fn``."""
     from torch.profiler import ProfilerActivity
@@ -117,9 +103,8 @@ def model_part(results: dict) -> None:
 
         one(), two()
         torch.cuda.synchronize()
-        replay_one, g1 = graphed(one)
-        replay_two, g2 = graphed(two)
-        times = alternate({"batch 1": one, "batch 2": two, "batch 1 graph": replay_one, "batch 2 graph": replay_two})
+        g1, g2 = hc.capture_cuda_graph(one)[0], hc.capture_cuda_graph(two)[0]
+        times = alternate({"batch 1": one, "batch 2": two, "batch 1 graph": g1.replay, "batch 2 graph": g2.replay})
         results["times_ms"] = times
         print(times, flush=True)
         del g1, g2

@@ -165,6 +165,20 @@ def time_calls(fn: Callable[[], Any], device: torch.device, *, warmup: int = 2, 
             "first_call_s": first}
 
 
+def capture_cuda_graph(fn: Callable[[], Any], warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``fn`` captured in one CUDA graph after ``warmups`` calls on a side stream: (graph, fn's output inside it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():

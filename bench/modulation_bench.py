@@ -40,18 +40,6 @@ CONFIGS = (
 """(BN, BK, num_warps, num_stages[, "fma": the kernel without tensor cores])."""
 
 
-def graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
@@ -87,7 +75,7 @@ def main() -> int:
             errors[str(config)] = ((got - want).norm() / want.norm()).item()
             name = f"shared-input BN {config[0]} BK {config[1]} w{config[2]} s{config[3]} {''.join(config[4:])}"
             fns[name] = lambda g=group, x=x: g(x)
-        replays = {name: graphed(fn).replay for name, fn in fns.items()}
+        replays = {name: hc.capture_cuda_graph(fn, warmups=1)[0].replay for name, fn in fns.items()}
         times: dict[str, list[float]] = {name: [] for name in replays}
         for _ in range(5):
             for name, replay in replays.items():

@@ -72,15 +72,7 @@ def profile(fn) -> dict:
 def graphed(call, reference: torch.Tensor, device: torch.device) -> dict:
     """``call`` captured in one CUDA graph (after warm-up on a side stream) and replayed: ms and error, or why not."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                call()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = call()
+        graph, out = hc.capture_cuda_graph(call)
         ms = hc.time_calls(graph.replay, device, warmup=3, reps=7)["ms"]
         graph.replay()
         error = rel_err(out, reference)
