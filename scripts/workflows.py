@@ -128,8 +128,8 @@ def _fp8(node_id: int, pos, pipe: tuple[int, int], backend: str, layers: str = "
 
 
 def _compile(node_id: int, pos, pipe: tuple[int, int]) -> Node:
-    return Node(node_id, "QwenEditHopper_Compile", {"mode": "default", "dynamic": True, "warmup": False,
-                                                     "warmup_size": 1024}, links={"pipe": pipe}, pos=pos)
+    widgets = {"mode": "default", "dynamic": True, "warmup": False, "warmup_size": 1024, "cuda_graphs": False}
+    return Node(node_id, "QwenEditHopper_Compile", widgets, links={"pipe": pipe}, pos=pos)
 
 
 def _lora(node_id: int, pos, pipe: tuple[int, int], name: str) -> Node:
