@@ -142,10 +142,14 @@ class ForwardGraphs:
         self._pool = None
 
     def _weights_moved(self, dit: torch.nn.Module) -> bool:
+        """Whether ``dit``'s parameters and buffers (the set, or any one's storage) changed since the last look.
+
+        The registration hooks are process-wide, so a bumped generation only means that some module somewhere
+        registered something: the tensors are collected again and compared, not assumed moved (a text encoder
+        or VAE built between two steps must not drop the graphs)."""
         if self._generation != _GENERATION[0]:
             self._tensors = [*dit.parameters(), *dit.buffers()]
             self._generation = _GENERATION[0]
-            self._addresses = None
         addresses = tuple(map(torch.Tensor.data_ptr, self._tensors))
         moved = addresses != self._addresses
         self._addresses = addresses

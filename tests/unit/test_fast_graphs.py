@@ -67,6 +67,22 @@ def test_weight_address_check_sees_new_storage_and_new_tensors(dit):
         graphs.disable_cuda_graphs(dit)
 
 
+def test_a_module_built_elsewhere_does_not_drop_the_graphs(dit):
+    """The registration hooks are process-wide: any new module (a text encoder, a VAE, a LoRA's layers, Inductor's
+    helpers) bumps the generation. Only a change in this model's tensors may count as moved."""
+    state = graphs.enable_cuda_graphs(dit)
+    try:
+        state._weights_moved(dit)
+        assert not state._weights_moved(dit)
+        torch.nn.Linear(4, 4)  # unrelated: registers two parameters on a module that is not dit
+        assert not state._weights_moved(dit)
+        dit.transformer_blocks[0].register_buffer("extra", torch.zeros(2))  # a new tensor in dit itself
+        assert state._weights_moved(dit)
+        assert not state._weights_moved(dit)
+    finally:
+        graphs.disable_cuda_graphs(dit)
+
+
 def test_static_buffers_take_any_strides():
     base = torch.randn(1, 4, 3)
     expanded = base.expand(2, -1, -1)
