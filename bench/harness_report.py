@@ -400,7 +400,10 @@ def markdown_section(store: ResultStore, charts: dict[str, str] | None = None, t
                   "`qwen_edit.edit.run_edit` with a `PlanRuntime` holding the full-size random-weight DiT, text "
                   "encoder and VAE: 1024x1024 edit, one reference image, EDIT_2509 prompt template. Baseline: bf16 "
                   "eager, 40 steps, true CFG 4. Encode = prompt (text encoder with vision tower, cond + uncond) + VAE "
-                  "encode of the reference.", "", markdown_table(E2E_HEAD, rows), ""]
+                  "encode of the reference. Peak GiB is the process's, not the preset's: the harness keeps the bf16 "
+                  "base DiT (about 38.5 GiB at full size) resident beside an fp8 variant, to build variants from it; "
+                  "the DiT's own memory per preset is in the forward table's standalone column.", "",
+                  markdown_table(E2E_HEAD, rows), ""]
     rows = linear_rows(store)
     if rows:
         lines += ["### Linear layers", "",
