@@ -85,11 +85,25 @@ for kind, rows, bias, config in (("rowwise", 1, True, None), ("rowwise", 2, Fals
     # float32 sums in another order, then a truncating cast: within one bf16 step of the reference
     step = exact.abs().clamp_min(1e-30) * 2.0 ** -7
     rows_out.append([kind, rows, list(got.shape), bool(((got - exact).abs() <= step * 1.01).all())])
-print(json.dumps(rows_out))
+refusals = []
+for bad in (x.float(), x[:, :128], torch.randn(5, 256).bfloat16(), x[:0]):
+    try:
+        group(bad)
+        refusals.append("accepted")
+    except ValueError as exc:
+        refusals.append(str(exc))
+print(json.dumps({"rows": rows_out, "refusals": refusals}))
 """
 
 
 def test_kernels_under_the_interpreter_match_the_reference():
-    result = run_probe(_PROBE)
+    probe = run_probe(_PROBE)
+    result = probe["rows"]
     assert [r[2] for r in result] == [[3, 1, 96], [3, 2, 96], [3, 2, 96], [3, 1, 96], [3, 3, 96]]
     assert all(r[3] for r in result), result
+    # float32 input, the wrong K, more rows than the kernel takes, no rows: each refused with what it takes
+    refusals = probe["refusals"]
+    assert len(refusals) == 4 and "accepted" not in refusals, refusals
+    assert all("(R <= 4, 256) bf16 input" in r for r in refusals), refusals
+    assert "torch.float32 (3, 256)" in refusals[0] and "(3, 128)" in refusals[1]
+    assert "(5, 256)" in refusals[2] and "(0, 256)" in refusals[3]
