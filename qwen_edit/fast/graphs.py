@@ -44,11 +44,14 @@ logger = logging.getLogger(__name__)
 _REGISTRY: weakref.WeakKeyDictionary[torch.nn.Module, ForwardGraphs] = weakref.WeakKeyDictionary()
 _GENERATION = [0]
 """Bumped whenever any module registers a parameter, buffer or submodule (hooks installed on first use)."""
+_TOUCHED: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+"""The generation at which each module last registered a parameter, buffer or submodule."""
 _HOOKS: list = []
 
 
-def _bump(*_args) -> None:
+def _bump(module: torch.nn.Module, *_args) -> None:
     _GENERATION[0] += 1
+    _TOUCHED[module] = _GENERATION[0]
 
 
 def _install_hooks() -> None:
@@ -142,14 +145,18 @@ class ForwardGraphs:
         self._pool = None
 
     def _weights_moved(self, dit: torch.nn.Module) -> bool:
-        """Whether ``dit``'s parameters and buffers (the set, or any one's storage) changed since the last look.
+        """Whether ``dit`` changed since the last look: one of its modules registered a parameter, buffer or
+        submodule (a replaced layer, even one holding the same tensors), or a tensor's storage moved.
 
-        The registration hooks are process-wide, so a bumped generation only means that some module somewhere
-        registered something: the tensors are collected again and compared, not assumed moved (a text encoder
-        or VAE built between two steps must not drop the graphs)."""
+        The registration hooks are process-wide: a module built elsewhere (a text encoder, a VAE) bumps the
+        generation too, and must not drop this model's graphs. So a bump makes this look at ``dit``'s own
+        modules, and collect and compare its tensors again."""
         if self._generation != _GENERATION[0]:
+            since = self._generation
             self._tensors = [*dit.parameters(), *dit.buffers()]
             self._generation = _GENERATION[0]
+            if any(_TOUCHED.get(module, -1) > since for module in dit.modules()):
+                self._addresses = None
         addresses = tuple(map(torch.Tensor.data_ptr, self._tensors))
         moved = addresses != self._addresses
         self._addresses = addresses

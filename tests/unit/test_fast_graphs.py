@@ -79,6 +79,13 @@ def test_a_module_built_elsewhere_does_not_drop_the_graphs(dit):
         dit.transformer_blocks[0].register_buffer("extra", torch.zeros(2))  # a new tensor in dit itself
         assert state._weights_moved(dit)
         assert not state._weights_moved(dit)
+        # a layer replaced by another that holds the very same tensors: nothing moved, but the code that runs did
+        old = dit.transformer_blocks[0].img_mlp.net[2]
+        new = torch.nn.Linear(old.in_features, old.out_features)
+        new.weight, new.bias = old.weight, old.bias
+        dit.transformer_blocks[0].img_mlp.net[2] = new
+        assert state._weights_moved(dit)
+        assert not state._weights_moved(dit)
     finally:
         graphs.disable_cuda_graphs(dit)
 
