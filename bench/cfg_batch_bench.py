@@ -80,19 +80,15 @@ def side_by_side(one: dict, two: dict, top: int = 30) -> list[list]:
 
 
 def model_part(results: dict) -> None:
-    from qwen_edit_hopper.fp8 import Fp8Config
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
-    from qwen_edit_hopper.qwen_edit.fp8_dit import build_fp8_dit
 
     device = torch.device("cuda")
     base = hm.build_dit(hm.FULL, device)
     inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
-    config = Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True)
-    module = build_fp8_dit(base, config)
+    module = hm.fastest_fp8_dit(base)
     del base
     torch.cuda.empty_cache()
-    ff.compile_blocks(module)
     with dynamo_settings():
 
         def one():

@@ -68,17 +68,12 @@ def summarize(samples, start: float, end: float) -> dict:
             "power_w_max": max(power)}  # fmt: skip
 
 
-def run_for(seconds: float, fn, pause_s: float = 0.0) -> list[float]:
-    """Call ``fn`` until ``seconds`` have passed; ms per call (CUDA events)."""
+def run_for(seconds: float, fn, device: torch.device, pause_s: float = 0.0) -> list[float]:
+    """Call ``fn`` until ``seconds`` have passed; ms per call (``harness_core.time_calls``, one call each)."""
     times = []
     until = time.time() + seconds
     while time.time() < until:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(hc.time_calls(fn, device, warmup=0, reps=1)["ms"])
         if pause_s:
             time.sleep(pause_s)
     return times
@@ -89,19 +84,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
     parser.add_argument("--seconds", type=float, default=4.0)
     args = parser.parse_args()
-    from qwen_edit_hopper.fp8 import Fp8Config
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
-    from qwen_edit_hopper.qwen_edit.fp8_dit import build_fp8_dit
 
     device = torch.device("cuda")
     base = hm.build_dit(hm.FULL, device)
     inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
-    config = Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True)
-    module = build_fp8_dit(base, config)
+    module = hm.fastest_fp8_dit(base)
     del base
     hc.free_memory()
-    ff.compile_blocks(module)
     qk_args = qk_quant_bench.inputs(1, device)
 
     def forward():
@@ -126,13 +117,13 @@ def main() -> int:
                 time.sleep(args.seconds)
                 marks["idle"] = (t0, time.time())
                 t0 = time.time()
-                qk_ms = run_for(args.seconds, qk_kernel)
+                qk_ms = run_for(args.seconds, qk_kernel, device)
                 marks["QK kernel alone"] = (t0, time.time())
                 t0 = time.time()
-                forward_ms = run_for(args.seconds, forward)
+                forward_ms = run_for(args.seconds, forward, device)
                 marks["forward, back to back"] = (t0, time.time())
                 t0 = time.time()
-                paused_ms = run_for(args.seconds, forward, pause_s=0.05)
+                paused_ms = run_for(args.seconds, forward, device, pause_s=0.05)
                 marks["forward, 50 ms pause after each"] = (t0, time.time())
             finally:
                 sampler.terminate()

@@ -53,21 +53,17 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     load_pack()
-    from qwen_edit_hopper.fp8 import Fp8Config
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
     from qwen_edit_hopper.qwen_edit.fast import graphs, modulation
-    from qwen_edit_hopper.qwen_edit.fp8_dit import build_fp8_dit
 
     device = torch.device("cuda")
     base = hm.build_dit(hm.FULL, device)
     inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
     reference = hm.fast_forward(ff, base, inputs).float()
-    config = Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True)
-    module = build_fp8_dit(base, config)
+    module = hm.fastest_fp8_dit(base)
     del base
     torch.cuda.empty_cache()
-    ff.compile_blocks(module)
 
     current = [None]
 

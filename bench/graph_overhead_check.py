@@ -24,20 +24,16 @@ import harness_models as hm
 
 def main() -> int:
     hc.load_pack()
-    from qwen_edit_hopper.fp8 import Fp8Config
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
     from qwen_edit_hopper.qwen_edit.fast import graphs
-    from qwen_edit_hopper.qwen_edit.fp8_dit import build_fp8_dit
 
     device = torch.device("cuda")
     base = hm.build_dit(hm.FULL, device)
     inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
-    module = build_fp8_dit(base, Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute",
-                                           fast_accum=True))  # fmt: skip
+    module = hm.fastest_fp8_dit(base)
     del base
     torch.cuda.empty_cache()
-    ff.compile_blocks(module)
 
     def call():
         return hm.fast_forward(ff, module, inputs, attention="cudnn_fp8")

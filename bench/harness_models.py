@@ -141,6 +141,20 @@ def build_dit(size: str, device: torch.device | str, dtype: torch.dtype = torch.
     return materialize_random(create_dit(configs(size)[0]), device, dtype, seed)
 
 
+def fastest_fp8_dit(base: torch.nn.Module) -> torch.nn.Module:
+    """The fastest preset's DiT built from ``base`` (row-wise scaled-mm, "attn+mlp+mod compute", fast
+    accumulation) with the pack's regional compile (blocks compiled on first use). ``base`` stays as it is; the
+    caller drops it when done with it."""
+    from qwen_edit_hopper.fp8 import Fp8Config
+    from qwen_edit_hopper.qwen_edit import fast_forward as ff
+    from qwen_edit_hopper.qwen_edit.fp8_dit import build_fp8_dit
+
+    module = build_fp8_dit(base, Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute",
+                                           fast_accum=True))  # fmt: skip
+    ff.compile_blocks(module)
+    return module
+
+
 def build_text_encoder(size: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, seed: int = 1):
     """Qwen2.5-VL (language model + vision tower + lm_head) with random weights."""
     from qwen_edit_hopper.qwen_edit.checkpoints.text_encoder import create_text_encoder
