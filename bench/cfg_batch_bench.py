@@ -84,11 +84,7 @@ def model_part(results: dict) -> None:
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
 
     device = torch.device("cuda")
-    base = hm.build_dit(hm.FULL, device)
-    inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
-    module = hm.fastest_fp8_dit(base)
-    del base
-    torch.cuda.empty_cache()
+    module, inputs = hm.fastest_fp8_dit_at_full_size(device)
     with dynamo_settings():
 
         def one():

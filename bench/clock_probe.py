@@ -88,11 +88,7 @@ def main() -> int:
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
 
     device = torch.device("cuda")
-    base = hm.build_dit(hm.FULL, device)
-    inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
-    module = hm.fastest_fp8_dit(base)
-    del base
-    hc.free_memory()
+    module, inputs = hm.fastest_fp8_dit_at_full_size(device)
     qk_args = qk_quant_bench.inputs(1, device)
 
     def forward():

@@ -29,11 +29,7 @@ def main() -> int:
     from qwen_edit_hopper.qwen_edit.fast import graphs
 
     device = torch.device("cuda")
-    base = hm.build_dit(hm.FULL, device)
-    inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
-    module = hm.fastest_fp8_dit(base)
-    del base
-    torch.cuda.empty_cache()
+    module, inputs = hm.fastest_fp8_dit_at_full_size(device)
 
     def call():
         return hm.fast_forward(ff, module, inputs, attention="cudnn_fp8")

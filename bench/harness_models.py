@@ -28,7 +28,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from harness_core import ROOT, load_pack
+from harness_core import ROOT, free_memory, load_pack
 
 load_pack()
 
@@ -153,6 +153,17 @@ def fastest_fp8_dit(base: torch.nn.Module) -> torch.nn.Module:
                                            fast_accum=True))  # fmt: skip
     ff.compile_blocks(module)
     return module
+
+
+def fastest_fp8_dit_at_full_size(device: torch.device) -> tuple[torch.nn.Module, ForwardInputs]:
+    """:func:`fastest_fp8_dit` of a full-size random DiT (the bf16 base is dropped and its memory freed), and the
+    1024x1024 edit's inputs (one reference image, 300 text tokens)."""
+    base = build_dit(FULL, device)
+    inputs = ForwardInputs.make(1024, 1024, 300, 3584, device)
+    module = fastest_fp8_dit(base)
+    del base
+    free_memory()
+    return module, inputs
 
 
 def build_text_encoder(size: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, seed: int = 1):
