@@ -32,6 +32,7 @@ from .quant import (
     reference_scaled_mm,
     scaled_mm,
 )
+from .small_m_gemm import fp8_gemm_small_m, small_m_config
 
 __all__ = ["GRANULARITIES", "Fp8Linear", "ScaledMMLinear", "WeightOnlyLinear", "scaled_mm_shape_problem"]
 
@@ -188,6 +189,9 @@ class ScaledMMLinear(Fp8Linear):
         """
         if self.emulate:
             return reference_scaled_mm(x8, x_scale, self.weight, self.weight_scale, out_dtype)
+        config = small_m_config(x8, self.weight, x_scale, out_dtype, self.fast_accum)
+        if config is not None:  # few rows (the text stream): a Triton kernel beats cuBLASLt's pick
+            return fp8_gemm_small_m(x8, x_scale, self.weight, self.weight_scale, config)
         return scaled_mm(x8, x_scale, self.weight, self.weight_scale, out_dtype, self.fast_accum)
 
     def extra_repr(self) -> str:
