@@ -1,4 +1,4 @@
-"""A/B of the fast forward's host-side options on one fp8 model: modulation launches and CUDA graphs.
+"""A/B of the fast forward's options on one fp8 model: text-stream GEMM kernel, modulation launches, CUDA graphs.
 
 Full-size Qwen-Image-Edit DiT, random weights, 1024x1024 edit with one reference image (8192 image +
 300 text tokens), the fastest preset (row-wise fp8, fast accumulation, "attn+mlp+mod compute", compiled
@@ -6,9 +6,11 @@ blocks, ``cudnn_fp8`` attention). One fp8 model serves every variant; each varia
 batch-2 forward (true CFG: cond + uncond) are timed in alternating rounds (CUDA events, median), so clock
 and power drift hit all variants alike. Variants:
 
-* ``per-block modulation``: each block calls its ``img_mod`` / ``txt_mod`` linears (the fifth session's path);
-* ``shared-input modulation``: all blocks' modulation linears in two launches (:mod:`qwen_edit.fast.modulation`);
-* ``... + CUDA graphs``: the same through the pack's whole-forward graphs (:mod:`qwen_edit.fast.graphs`).
+* ``cuBLASLt text GEMMs``: every fp8 GEMM through ``torch._scaled_mm`` (the seventh session's forward);
+* ``small-M text GEMMs``: the text stream's M = 300 GEMMs through :mod:`fp8.small_m_gemm` (batch 2's M = 600
+  keep cuBLASLt);
+* ``... + CUDA graphs``: the same through the pack's whole-forward graphs (:mod:`qwen_edit.fast.graphs`);
+* with ``--modulation``, also shared-input modulation (:mod:`qwen_edit.fast.modulation`, off by default).
 
 Also the whole-forward relative error of each against bf16 eager. Run from the repo root on an H100 /
 H200 (JSON in ``$OUT/forward_ab.json``)::
@@ -34,11 +36,15 @@ import harness_core as hc
 import harness_models as hm
 from pack import load_pack
 
-VARIANTS = (
-    ("per-block modulation", False, False),
-    ("shared-input modulation", True, False),
-    ("shared-input modulation + CUDA graphs", True, True),
-    ("per-block modulation + CUDA graphs", False, True),
+VARIANTS = (  # label, shared-input modulation, CUDA graphs, small-M text GEMMs
+    ("cuBLASLt text GEMMs", False, False, False),
+    ("small-M text GEMMs", False, False, True),
+    ("cuBLASLt text GEMMs + CUDA graphs", False, True, False),
+    ("small-M text GEMMs + CUDA graphs", False, True, True),
+)
+MODULATION_VARIANTS = (
+    ("small-M + shared-input modulation", True, False, True),
+    ("small-M + shared-input modulation + CUDA graphs", True, True, True),
 )
 
 
@@ -51,8 +57,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--modulation", action="store_true", help="also the shared-input modulation variants")
     args = parser.parse_args()
+    variants = VARIANTS + (MODULATION_VARIANTS if args.modulation else ())
     load_pack()
+    from qwen_edit_hopper.fp8 import small_m_gemm
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
     from qwen_edit_hopper.qwen_edit.fast import graphs, modulation
@@ -67,12 +76,13 @@ def main() -> int:
 
     current = [None]
 
-    def runner(fused: bool, graphed: bool, batch: int):
+    def runner(fused: bool, graphed: bool, small_m: bool, batch: int):
         def call():
-            if current[0] != (fused, graphed):  # the modulation switch is not in a graph's signature
+            if current[0] != (fused, graphed, small_m):  # neither switch is in a graph's signature
                 graphs.disable_cuda_graphs(module)
-                current[0] = (fused, graphed)
+                current[0] = (fused, graphed, small_m)
             modulation.FUSED_MODULATION = fused
+            small_m_gemm.ENABLED = small_m
             if graphed:
                 graphs.enable_cuda_graphs(module)
             else:
@@ -84,29 +94,29 @@ def main() -> int:
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}
     times: dict[tuple[str, int], list[float]] = {}
     with dynamo_settings():
-        for label, fused, graphed in VARIANTS:
+        for label, *switches in variants:
             for batch in (1, 2):
-                out = runner(fused, graphed, batch)()
+                out = runner(*switches, batch)()
                 if batch == 1:
                     results["variants"][label] = {"rel_err": rel_err(out, reference)}
                 times[(label, batch)] = []
         for _ in range(args.rounds):
-            for label, fused, graphed in VARIANTS:
+            for label, *switches in variants:
                 for batch in (1, 2):
                     # only the graphed variants keep graphs: switching variants drops them, so re-capture first
-                    call = runner(fused, graphed, batch)
+                    call = runner(*switches, batch)
                     call()
                     times[(label, batch)].append(hc.time_calls(call, device, warmup=1, reps=args.reps)["ms"])
-    for label, _, _ in VARIANTS:
+    for label, *_ in variants:
         one, two = (statistics.median(times[(label, b)]) for b in (1, 2))
         results["variants"][label].update({"batch1_ms": round(one, 2), "batch2_ms": round(two, 2),
                                            "ratio": round(two / one, 3),
                                            "rounds_batch1": [round(t, 2) for t in times[(label, 1)]]})  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "forward_ab.json").write_text(json.dumps(results, indent=1))
-    print(f"\n{'variant':42s} {'batch 1 ms':>10s} {'batch 2 ms':>10s} {'b2 / b1':>8s} {'rel. error':>10s}")
+    print(f"\n{'variant':48s} {'batch 1 ms':>10s} {'batch 2 ms':>10s} {'b2 / b1':>8s} {'rel. error':>10s}")
     for label, v in results["variants"].items():
-        print(f"{label:42s} {v['batch1_ms']:10.2f} {v['batch2_ms']:10.2f} {v['ratio']:8.3f} {v['rel_err']:10.2e}")
+        print(f"{label:48s} {v['batch1_ms']:10.2f} {v['batch2_ms']:10.2f} {v['ratio']:8.3f} {v['rel_err']:10.2e}")
     return 0
 
 
