@@ -90,8 +90,7 @@ class CompileModel(io.ComfyNode):
         choice = CompileChoice(mode=mode, dynamic=dynamic, cuda_graphs=bool(cuda_graphs))
         plan = pipe.with_compile(choice)
         lines = [f"compile: mode {mode}, dynamic {dynamic}, regional (one compiled block for all blocks)",
-                 "CUDA graphs: " + ("on (one whole-forward graph per input shape, captured on first use)"
-                                    if cuda_graphs else "off")]
+                 "CUDA graphs: " + cuda_graphs_note(bool(cuda_graphs), runtime().device)]
         if warmup:
             from ..qwen_edit.edit import attention_backend
             from ..qwen_edit.fast_forward import fast_model_fn
@@ -117,3 +116,13 @@ class CompileModel(io.ComfyNode):
             )
         info = "\n".join(lines)
         return io.NodeOutput(plan, info, ui=ui.PreviewText(info))
+
+
+def cuda_graphs_note(requested: bool, device) -> str:
+    """What the forward will do with CUDA graphs on ``device``, for the node's output: they apply to CUDA
+    forwards only, so on another device the note says the forward runs kernel by kernel."""
+    if not requested:
+        return "off"
+    if str(device).startswith("cuda"):
+        return "on (one whole-forward graph per input shape, captured on first use)"
+    return f"requested, but the model runs on {device}: CUDA graphs need a CUDA GPU, so forwards run kernel by kernel"

@@ -127,8 +127,8 @@ def _fp8(node_id: int, pos, pipe: tuple[int, int], backend: str, layers: str = "
     }, links={"pipe": pipe}, pos=pos)
 
 
-def _compile(node_id: int, pos, pipe: tuple[int, int]) -> Node:
-    widgets = {"mode": "default", "dynamic": True, "warmup": False, "warmup_size": 1024, "cuda_graphs": False}
+def _compile(node_id: int, pos, pipe: tuple[int, int], cuda_graphs: bool = False) -> Node:
+    widgets = {"mode": "default", "dynamic": True, "warmup": False, "warmup_size": 1024, "cuda_graphs": cuda_graphs}
     return Node(node_id, "QwenEditHopper_Compile", widgets, links={"pipe": pipe}, pos=pos)
 
 
@@ -163,10 +163,10 @@ def preset_fastest() -> Workflow:
     return Workflow("qwen_edit_fastest", "fastest",
                     "The fastest correct combination measured on one Hopper GPU: row-wise FP8 scaled-mm for attention, "
                     "MLP and modulation linears with fast accumulation, cuDNN FP8 attention (needs "
-                    "nvidia-cudnn-frontend), compiled blocks, batched true CFG.",
+                    "nvidia-cudnn-frontend), compiled blocks with whole-forward CUDA graphs, batched true CFG.",
                     [_image(), _loader(2, (0, 0), attention="cudnn_fp8"),
                      _fp8(3, (420, 0), (2, 0), "scaled_mm_rowwise", FASTEST_LAYERS),
-                     _compile(4, (840, 0), (3, 0)), _sampler(5, (1260, 0), (4, 0)),
+                     _compile(4, (840, 0), (3, 0), cuda_graphs=True), _sampler(5, (1260, 0), (4, 0)),
                      _save(6, (1680, 0), (5, 0), "qwen_edit_fastest")])
 
 
