@@ -9,9 +9,9 @@ take about 3 ms. Candidates, per GEMM shape of one block's text stream (QKV 3072
 * ``torch._scaled_mm`` as the pack calls it (x8 @ w8^T, row-wise scales, fast accumulation, bf16 out);
 * the same with M zero-padded to 304 / 320 / 384 rows (cuBLASLt's heuristic keys on M);
 * the transposed problem (w8 @ x8^T, then the transpose copy back);
-* a Triton GEMM (in this file) over a sweep of tiles, with split-K (a float32 partial per split, then one
-  kernel that sums the splits in a fixed order, scales and casts: deterministic) so that N = 3072 fills
-  132 SMs.
+* a Triton GEMM over a sweep of tiles: the pack's kernel (``fp8/small_m_gemm.py``, which this bench chose)
+  without split-K; with split-K, a kernel in this file (a float32 partial per split, then one kernel that sums
+  the splits in a fixed order, scales and casts: deterministic) so that N = 3072 fills 132 SMs.
 
 Each variant is timed as a CUDA graph of 40 calls that cycle through copies of the weight totalling more than
 twice the L2 cache, so weights come from HBM as in the model (one copy would stay in L2). Error: relative
@@ -36,48 +36,36 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import harness_core as hc
+from pack import load_pack
 
 SHAPES = (("qkv", 3072, 9216), ("out", 3072, 3072), ("fc1", 3072, 12288), ("fc2", 12288, 3072))
 CALLS = 40
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K,  # noqa: N803
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr):  # noqa: N803
-    """out[m, n] = xs[m] * ws[n] * sum_k x[m, k] w[n, k] (SPLIT_K == 1: bf16 out; else float32 partials).
-
-    x: (M, K) e4m3 row-major; w: (N, K) e4m3 row-major; xs: (M,) and ws: (N,) float32. Programs run M-tile
-    fastest, so the few M-tiles that share a weight tile run together and read it from HBM once.
-    Requires N % BN == 0 and K % (BK * SPLIT_K) == 0.
-    """
+def _split_k_partial_kernel(x_ptr, w_ptr, part_ptr, M, N, K,  # noqa: N803
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr):  # noqa: N803
+    """The tried split-K variant (not in the pack): part[s, m, n] = sum over split s's K range of x[m, k] w[n, k]
+    in float32. x: (M, K), w: (N, K) e4m3 row-major; tiles ordered as the pack's kernel
+    (fp8/small_m_gemm.py); needs N % BN == 0 and K % (BK * SPLIT_K) == 0."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
+    offs_m = (pid % num_m) * BM + tl.arange(0, BM)
+    offs_n = (pid // num_m) * BN + tl.arange(0, BN)
     k_iters = K // (BK * SPLIT_K)
-    k_start = pid_k * k_iters * BK
-    a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * K + (k_start + offs_k)[None, :]
-    b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * K + (k_start + offs_k)[:, None]
+    offs_k = pid_k * k_iters * BK + tl.arange(0, BK)
+    a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
+    b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
     row_ok = offs_m[:, None] < M
     acc = tl.zeros((BM, BN), tl.float32)
     for _ in range(k_iters):
-        a = tl.load(a_ptrs, mask=row_ok, other=0.0)
-        b = tl.load(b_ptrs)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(tl.load(a_ptrs, mask=row_ok, other=0.0), tl.load(b_ptrs), acc)
         a_ptrs += BK
         b_ptrs += BK
-    if SPLIT_K == 1:
-        xs = tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)
-        ws = tl.load(ws_ptr + offs_n)
-        acc = acc * xs[:, None] * ws[None, :]
-        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.bfloat16), mask=row_ok)
-    else:
-        tl.store(out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=row_ok)
+    tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=row_ok)
 
 
 @triton.jit
@@ -95,18 +83,20 @@ def _splitk_reduce_kernel(part_ptr, xs_ptr, ws_ptr, out_ptr, M, N,  # noqa: N803
 
 
 def triton_gemm(x8, xs, w8, ws, cfg):
-    """Row-wise fp8 GEMM through the kernels above; x8 (M, K), w8 (N, K) e4m3; xs (M,), ws (N,) float32."""
+    """Row-wise fp8 GEMM in Triton; x8 (M, K), w8 (N, K) e4m3; xs (M,), ws (N,) float32. Split-K 1: the pack's
+    kernel (``fp8.small_m_gemm``); more: the split-K partials above, then their fixed-order sum."""
+    from qwen_edit_hopper.fp8 import small_m_gemm
+
     (m, k), n = x8.shape, w8.shape[0]
     bm, bn, bk, split, warps, stages = cfg
-    out = torch.empty(m, n, device=x8.device, dtype=torch.bfloat16)
-    grid = (triton.cdiv(m, bm) * (n // bn), split)
     if split == 1:
-        _fp8_gemm_kernel[grid](x8, w8, xs, ws, out, m, n, k, BM=bm, BN=bn, BK=bk, SPLIT_K=1,
-                               num_warps=warps, num_stages=stages)
-        return out
+        return small_m_gemm._fp8_gemm_small_m_op(x8, xs.reshape(m, 1), w8, ws.reshape(n, 1), bm, bn, bk, warps,
+                                                 stages)  # fmt: skip
+    out = torch.empty(m, n, device=x8.device, dtype=torch.bfloat16)
     part = torch.empty(split, m, n, device=x8.device, dtype=torch.float32)
-    _fp8_gemm_kernel[grid](x8, w8, xs, ws, part, m, n, k, BM=bm, BN=bn, BK=bk, SPLIT_K=split,
-                           num_warps=warps, num_stages=stages)
+    _split_k_partial_kernel[(triton.cdiv(m, bm) * (n // bn), split)](x8, w8, part, m, n, k, BM=bm, BN=bn, BK=bk,
+                                                                     SPLIT_K=split, num_warps=warps,
+                                                                     num_stages=stages)  # fmt: skip
     _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](part, xs, ws, out, m, n, SPLIT_K=split, BLOCK=1024)
     return out
 
@@ -186,6 +176,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
     parser.add_argument("--tokens", type=int, nargs="+", default=[300, 600])
     args = parser.parse_args()
+    load_pack()
     device = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     rows, table = [], []
