@@ -385,3 +385,36 @@ def test_small_m_kernel_matches_scaled_mm_and_the_layer_takes_it_compiled(k, n, 
     calls.clear()
     assert relative_error(compiled(x), want + layer.bias) < 1e-3  # Dynamo guards on the switch: recompiles
     assert not calls
+
+
+def test_small_m_kernel_keeps_dynamic_text_lengths_in_one_graph():
+    """A compiled layer with a dynamic row count (how the blocks see the text length) runs 300 and 211 rows
+    through the small-M kernel (its name in the profiler's CUDA kernels) without a recompile; 600 rows
+    (outside its range) run cuBLASLt."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev) != (9, 0):
+        pytest.skip("the small-M configs are Hopper's (compute capability 9.0)")
+    torch.manual_seed(0)
+    layer = ScaledMMLinear.from_linear(nn.Linear(3072, 3072).to(dev, torch.bfloat16), "rowwise", fast_accum=True)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer)
+
+    def run(rows: int) -> bool:
+        x = torch.randn(rows, 3072, device=dev, dtype=torch.bfloat16)
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+        want = layer(x)
+        compiled(x)  # compile outside the profiler
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = compiled(x)
+            torch.cuda.synchronize()
+        assert relative_error(got, want) < 1e-3
+        return any("fp8_gemm_small_m" in e.name for e in prof.events())
+
+    assert run(300) and run(211)
+    assert counters["stats"]["unique_graphs"] == 1, "a new text length recompiled the layer"
+    assert not run(600)
+    torch._dynamo.reset()
