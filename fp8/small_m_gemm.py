@@ -47,7 +47,9 @@ logger = logging.getLogger(__name__)
 OP_NAME = "qwen_edit_hopper::fp8_gemm_small_m"
 
 MAX_ROWS = 384
-"""Largest M this path takes. Measured faster than cuBLASLt at M = 300 and slower at M = 600 (H200)."""
+"""Largest M this path takes. Measured faster than cuBLASLt at M = 300 and slower at M = 600 (H200). Under
+torch.compile with a dynamic text length the range check is a guard: lengths inside it share one graph
+(tests/gpu/test_fp8_backends.py), a length outside it compiles once more."""
 
 MIN_ROWS = 17
 """Smallest M: GEMVs (the modulation's one timestep row) stay with cuBLASLt."""
