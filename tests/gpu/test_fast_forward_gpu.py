@@ -186,3 +186,40 @@ def test_fused_norm_and_gelu_quantize_kernels_are_as_accurate_as_inductor(dit, i
     print(f"\nvs DiffSynth bf16: Inductor quantization {errors[False]:.3e}, fused kernels {errors[True]:.3e}")
     assert errors[False] < FP8_TOL
     assert errors[True] < 1.05 * errors[False] + 1e-3
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
+def test_cross_block_residual_gives_the_per_block_result(dit, inputs, zero_cond_t, monkeypatch):
+    """The fastest preset's layout, compiled: block 0's MLP residual update applied by block 1's LayerNorm kernel
+    (with block 0's gate) gives what the per-block update gives, batch 1 and batch 2, and the kernel took it."""
+    from qwen_edit_hopper.qwen_edit.fast import prequant
+
+    x, prompts = inputs
+    model = copy.deepcopy(dit)
+    quantize_linears(model, Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True))
+    batch2 = {**x, **batch_prompts(prompts), "latents": x["latents"].expand(2, -1, -1, -1)}
+    calls = []
+    kernel = prequant.residual_modulate_quantize_rowwise
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("gate_mod") is not None)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(prequant, "residual_modulate_quantize_rowwise", spy)
+    outs = {}
+    try:
+        for cross in (False, True):
+            prequant.CROSS_BLOCK_RESIDUAL = cross
+            torch._dynamo.reset()
+            compile_blocks(model)
+            outs[cross] = [fast_model_fn(model, **x, **prompts[0], zero_cond_t=zero_cond_t),
+                           fast_model_fn(model, **batch2, zero_cond_t=zero_cond_t)]
+            uncompile_blocks(model)
+    finally:
+        prequant.CROSS_BLOCK_RESIDUAL = True
+        torch._dynamo.reset()
+    assert any(calls), "the cross-block update never reached the fused kernel"
+    for per_block, cross in zip(outs[False], outs[True], strict=True):
+        diff = rel_err(cross, per_block)
+        print(f"\ncross-block vs per-block residual update: {diff:.2e}")
+        assert diff < 5e-3  # the same roundings; last-bit flips (FMA) pass through fp8 quantization

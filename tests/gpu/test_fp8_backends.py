@@ -318,10 +318,13 @@ def test_mlp_with_fused_kernel_is_as_accurate_as_the_plain_path_compiled():
     assert err_fused < 1.05 * err_plain + 1e-3
 
 
+@pytest.mark.parametrize("rows_per_program", [0, 1, 2])
 @pytest.mark.parametrize("mod_rows,with_selector", [(1, False), (2, False), (2, True)])
-def test_fused_modulate_quantize_kernel_matches_its_reference(mod_rows, with_selector):
+def test_fused_modulate_quantize_kernel_matches_its_reference(mod_rows, with_selector, rows_per_program, monkeypatch):
+    from qwen_edit_hopper.fp8 import norm_quant
     from qwen_edit_hopper.fp8.norm_quant import modulate_quantize_rowwise, reference_modulate_quantize
 
+    monkeypatch.setattr(norm_quant, "DEFAULT_ROWS", rows_per_program)  # 0: the one-row kernel
     b, s, d = 2, 4096, 3072
     x = (torch.randn(b, s, d, device=DEV) * torch.logspace(-1, 1, s, device=DEV)[:, None] + 0.5).bfloat16()
     mod = torch.randn(mod_rows * (2 if with_selector else 1), 6 * d, device=DEV).bfloat16()
@@ -334,18 +337,23 @@ def test_fused_modulate_quantize_kernel_matches_its_reference(mod_rows, with_sel
         assert (x8.float() == r8.float()).float().mean() > 0.97
 
 
-@pytest.mark.parametrize("with_selector", [False, True])
-def test_fused_residual_modulate_quantize_kernel_matches_its_reference(with_selector):
+@pytest.mark.parametrize("rows_per_program", [0, 1, 2])
+@pytest.mark.parametrize("with_selector,other_gate", [(False, False), (True, False), (True, True)])
+def test_fused_residual_modulate_quantize_kernel_matches_its_reference(with_selector, other_gate, rows_per_program,
+                                                                       monkeypatch):
+    from qwen_edit_hopper.fp8 import norm_quant
     from qwen_edit_hopper.fp8.norm_quant import reference_residual_modulate_quantize, residual_modulate_quantize_rowwise
 
-    b, s, d = 2, 4096, 3072
+    monkeypatch.setattr(norm_quant, "DEFAULT_ROWS", rows_per_program)
+    b, s, d = 2, 4095, 3072  # an odd token count: the multi-row kernel's last program has a missing row
     x = (torch.randn(b, s, d, device=DEV) * 4).bfloat16()
     y = torch.randn(b * s, d, device=DEV).bfloat16()
     bias = torch.randn(d, device=DEV).bfloat16()
     mod = torch.randn(2 if with_selector else 1, 6 * d, device=DEV).bfloat16()
+    gate_mod = torch.randn_like(mod) if other_gate else None  # the previous block's modulation (cross-block)
     selector = (torch.arange(s, device=DEV) < s // 2).reshape(1, s, 1) if with_selector else None
-    new, x8, scale = residual_modulate_quantize_rowwise(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector)
-    r_new, r8, rs = reference_residual_modulate_quantize(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector)
+    new, x8, scale = residual_modulate_quantize_rowwise(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector, gate_mod)
+    r_new, r8, rs = reference_residual_modulate_quantize(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector, gate_mod)
     assert new.shape == x.shape and new.dtype == torch.bfloat16
     assert (new != r_new).float().mean() < 1e-3  # fused multiply-add vs two roundings: rare last-bit flips
     torch.testing.assert_close(scale, rs, rtol=1e-2, atol=0)
