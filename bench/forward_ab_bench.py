@@ -11,9 +11,9 @@ and power drift hit all variants alike. Variants:
   keep cuBLASLt);
 * ``... + CUDA graphs``: the same through the pack's whole-forward graphs (:mod:`qwen_edit.fast.graphs`);
 * with ``--modulation``, also shared-input modulation (:mod:`qwen_edit.fast.modulation`, off by default);
-* with ``--norm`` instead: the LayerNorm + modulate + quantize kernel's launch (one row per program, or the
-  multi-row kernel, ``fp8.norm_quant.DEFAULT_ROWS``) and the cross-block residual update
-  (``qwen_edit.fast.prequant.CROSS_BLOCK_RESIDUAL``), all with small-M GEMMs and CUDA graphs.
+* with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
+  (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
+  timed a cross-block residual update, since removed: docs/experiments/forward.md.)
 
 Also the whole-forward relative error of each against bf16 eager. Run from the repo root on an H100 /
 H200 (JSON in ``$OUT/forward_ab.json``)::
@@ -40,23 +40,21 @@ import harness_models as hm
 from pack import load_pack
 
 SHIPPED = None
-"""For the LayerNorm kernel's rows per program and the cross-block residual switch: the pack's default."""
+"""For the LayerNorm kernel's rows per program: the pack's default."""
 
-VARIANTS = (  # label, shared-input modulation, CUDA graphs, small-M text GEMMs, LayerNorm rows/program, cross-block
-    ("cuBLASLt text GEMMs", False, False, False, SHIPPED, SHIPPED),
-    ("small-M text GEMMs", False, False, True, SHIPPED, SHIPPED),
-    ("cuBLASLt text GEMMs + CUDA graphs", False, True, False, SHIPPED, SHIPPED),
-    ("small-M text GEMMs + CUDA graphs", False, True, True, SHIPPED, SHIPPED),
+VARIANTS = (  # label, shared-input modulation, CUDA graphs, small-M text GEMMs, LayerNorm rows per program
+    ("cuBLASLt text GEMMs", False, False, False, SHIPPED),
+    ("small-M text GEMMs", False, False, True, SHIPPED),
+    ("cuBLASLt text GEMMs + CUDA graphs", False, True, False, SHIPPED),
+    ("small-M text GEMMs + CUDA graphs", False, True, True, SHIPPED),
 )
 MODULATION_VARIANTS = (
-    ("small-M + shared-input modulation", True, False, True, SHIPPED, SHIPPED),
-    ("small-M + shared-input modulation + CUDA graphs", True, True, True, SHIPPED, SHIPPED),
+    ("small-M + shared-input modulation", True, False, True, SHIPPED),
+    ("small-M + shared-input modulation + CUDA graphs", True, True, True, SHIPPED),
 )
 NORM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs
-    ("one-row LN kernel, per-block residual", False, True, True, 0, False),
-    ("multi-row LN kernel (1 row), per-block residual", False, True, True, 1, False),
-    ("multi-row LN kernel (1 row), cross-block residual", False, True, True, 1, True),
-    ("one-row LN kernel, cross-block residual", False, True, True, 0, True),
+    ("one-row LN kernel", False, True, True, 0),
+    ("multi-row LN kernel (1 row per program)", False, True, True, 1),
 )
 
 
@@ -71,16 +69,16 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--modulation", action="store_true", help="also the shared-input modulation variants")
     parser.add_argument("--norm", action="store_true",
-                        help="instead: the LayerNorm kernel's rows per program and the cross-block residual update")
+                        help="instead: the LayerNorm kernel, one-row or multi-row")
     args = parser.parse_args()
     variants = NORM_VARIANTS if args.norm else VARIANTS + (MODULATION_VARIANTS if args.modulation else ())
     load_pack()
     from qwen_edit_hopper.fp8 import norm_quant, small_m_gemm
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
-    from qwen_edit_hopper.qwen_edit.fast import graphs, modulation, prequant
+    from qwen_edit_hopper.qwen_edit.fast import graphs, modulation
 
-    shipped_rows, shipped_cross = norm_quant.DEFAULT_ROWS, prequant.CROSS_BLOCK_RESIDUAL
+    shipped_rows = norm_quant.DEFAULT_ROWS
 
     device = torch.device("cuda")
     base = hm.build_dit(hm.FULL, device)
@@ -92,15 +90,14 @@ def main() -> int:
 
     current = [None]
 
-    def runner(fused: bool, graphed: bool, small_m: bool, rows: int | None, cross: bool | None, batch: int):
+    def runner(fused: bool, graphed: bool, small_m: bool, rows: int | None, batch: int):
         def call():
-            if current[0] != (fused, graphed, small_m, rows, cross):  # no switch is in a graph's signature
+            if current[0] != (fused, graphed, small_m, rows):  # no switch is in a graph's signature
                 graphs.disable_cuda_graphs(module)
-                current[0] = (fused, graphed, small_m, rows, cross)
+                current[0] = (fused, graphed, small_m, rows)
             modulation.FUSED_MODULATION = fused
             small_m_gemm.ENABLED = small_m
             norm_quant.DEFAULT_ROWS = shipped_rows if rows is SHIPPED else rows
-            prequant.CROSS_BLOCK_RESIDUAL = shipped_cross if cross is SHIPPED else cross
             if graphed:
                 graphs.enable_cuda_graphs(module)
             else:

@@ -124,28 +124,26 @@ def measure_modulate(device: torch.device, rows: int = 8192, cols: int = 3072,
 def measure_residual(device: torch.device, rows: int = 8192, cols: int = 3072,
                      configs: tuple[tuple[int, int], ...] = ()) -> dict:
     """The same for the residual kernel (``x + gate * (y + bias)``, then LayerNorm + modulate + quantize):
-    each (rows per program, warps) of ``configs``, the gate from another modulation tensor (cross-block)."""
+    each (rows per program, warps) of ``configs``, and Inductor's gated residual add alone."""
     from qwen_edit_hopper.fp8 import norm_quant as nq
 
     xs = [(torch.randn(1, rows, cols, device=device) * 3 + 1).bfloat16() for _ in range(COPIES)]
     ys = [torch.randn(rows, cols, device=device, dtype=torch.bfloat16) for _ in range(COPIES)]
     mod = torch.randn(1, 6 * cols, device=device, dtype=torch.bfloat16)
-    gate_mod = torch.randn(1, 6 * cols, device=device, dtype=torch.bfloat16)
     bytes_moved = rows * cols * 7 + rows * 4  # x and y in, new stream out (bf16), e4m3 out, scales
-    _, ref8, _ = nq.reference_residual_modulate_quantize(xs[0], ys[0], None, 1e-6, mod, 6, 5, 0, 1, None, gate_mod)
+    _, ref8, _ = nq.reference_residual_modulate_quantize(xs[0], ys[0], None, 1e-6, mod, 6, 5, 0, 1, None)
 
-    def plain(x, y, mod, gate_mod):  # Inductor: the gated residual add alone (what the cross-block fusion removes)
-        return torch.addcmul(x, gate_mod.unflatten(-1, (6, cols))[:, 5], y.reshape(x.shape))
+    def plain(x, y, mod):  # Inductor: the gated residual add alone (what a block's last residual update costs)
+        return torch.addcmul(x, mod.unflatten(-1, (6, cols))[:, 5], y.reshape(x.shape))
 
     compiled = torch.compile(plain)
     candidates = {}
     for per_program, w in configs or ((nq.DEFAULT_ROWS, nq.DEFAULT_WARPS),):
         candidates[f"residual, {per_program} rows/program, {w} warps"] = (
             lambda i, w=w, r=per_program: nq._residual_modulate_quantize_op(
-                xs[i % COPIES].reshape(-1, cols), ys[i % COPIES], None, rows, 1e-6, mod, 6, 5, 0, 1, None, w, True, r,
-                gate_mod))
+                xs[i % COPIES].reshape(-1, cols), ys[i % COPIES], None, rows, 1e-6, mod, 6, 5, 0, 1, None, w, True, r))
     results = _time_candidates(candidates, device, bytes_moved, ref8)
-    ms = graph_ms(lambda i: compiled(xs[i % COPIES], ys[i % COPIES], mod, gate_mod))
+    ms = graph_ms(lambda i: compiled(xs[i % COPIES], ys[i % COPIES], mod))
     results["inductor: the gated residual add alone"] = {"ms": round(ms, 4),
                                                          "GB/s": round(rows * cols * 6 / ms / 1e6, 1),
                                                          "same_codes": float("nan")}

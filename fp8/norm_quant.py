@@ -51,9 +51,12 @@ RESIDUAL_OP_NAME = "qwen_edit_hopper::residual_modulate_quantize_rowwise"
 DEFAULT_WARPS = 4
 """Warps per program (bench/gelu_quant_bench.py measures 2 / 4 / 8 / 16)."""
 
-DEFAULT_ROWS = 0
-"""Rows per program for rows of 3 * 2^k columns: 0 runs the one-row kernel (one cross-warp reduction per
-chunk); 1 or more the multi-row kernel (``_modulate_quant_rows_kernel``). bench/gelu_quant_bench.py times both."""
+DEFAULT_ROWS = 1
+"""Rows per program for rows of 3 * 2^k columns (3072 at full size): 0 runs the one-row kernel (one cross-warp
+reduction per chunk and statistic), 1 or more the multi-row kernel (``_modulate_quant_rows_kernel``: the chunks
+combined in registers, one reduction per statistic). H200 (docs/benchmarks.md, ninth session): 1 row at 4 warps
+28.1 / 50.1 us against the one-row kernel's 31.2 / 51.5 us (plain / residual, 8192 x 3072), and 187.8 against
+188.8 ms per forward; more rows per program were slower."""
 
 try:
     import triton
@@ -95,19 +98,17 @@ def reference_modulate_quantize(x: torch.Tensor, eps: float, mod: torch.Tensor, 
 
 def reference_residual_modulate_quantize(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, eps: float,
                                          mod: torch.Tensor, n_params: int, gate_index: int, shift_index: int,
-                                         scale_index: int, selector: torch.Tensor | None = None,
-                                         gate_mod: torch.Tensor | None = None
+                                         scale_index: int, selector: torch.Tensor | None = None
                                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the residual kernel computes, in plain torch: ``x + gate * (y + bias)``, then as above.
 
     x: [B, S, D] bf16 (the residual stream); y: [B * S, D] (a linear's output before its bias); bias: [D] or
-    None; gate_mod: the gate's modulation rows when not ``mod``'s. Returns (new residual [B, S, D] bf16,
-    x8 [B * S, D] float8_e4m3fn, scale [B * S, 1] float32).
+    None. Returns (new residual [B, S, D] bf16, x8 [B * S, D] float8_e4m3fn, scale [B * S, 1] float32).
     """
     b, s, d = x.shape
     sets = mod.shape[0] // 2 if selector is not None else mod.shape[0]
     rows = _modulation_rows(b * s, s, sets, selector, x.device)
-    gate = (mod if gate_mod is None else gate_mod).unflatten(-1, (n_params, d))[rows][:, gate_index]
+    gate = mod.unflatten(-1, (n_params, d))[rows][:, gate_index]
     update = y.float() if bias is None else (y.float() + bias.float()).to(x.dtype).float()
     new = (x.reshape(-1, d).float() + gate.float() * update).to(x.dtype).reshape(b, s, d)
     return (new, *reference_modulate_quantize(new, eps, mod, n_params, shift_index, scale_index, selector))
@@ -146,9 +147,8 @@ if triton is not None:
         return tl.where(mask, m, 0.0) if MASKED else m
 
     @triton.jit
-    def _modulate_quant_kernel(x_ptr, mod_ptr, gate_mod_ptr, sel_ptr, out_ptr, scale_ptr, y_ptr, bias_ptr, new_ptr,
-                               n_cols, tokens, sets, stride_x, stride_y, stride_mod, stride_gate_mod, gate_off,
-                               shift_off, scale_off, eps,
+    def _modulate_quant_kernel(x_ptr, mod_ptr, sel_ptr, out_ptr, scale_ptr, y_ptr, bias_ptr, new_ptr, n_cols, tokens,
+                               sets, stride_x, stride_y, stride_mod, gate_off, shift_off, scale_off, eps,
                                HAS_SELECTOR: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,  # noqa: N803
                                BLOCK: tl.constexpr, CHUNKS: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
         """One row per program. CHUNKS 1: the row in one BLOCK >= n_cols, masked. CHUNKS 3: n_cols == 3 * BLOCK,
@@ -163,8 +163,7 @@ if triton is not None:
         mask = cols < n_cols
         mod_row = mod_ptr + prow * stride_mod
         x_row, y_row, new_row = x_ptr + row * stride_x, y_ptr + row * stride_y, new_ptr + row * n_cols
-        gate_row = gate_mod_ptr + prow * stride_gate_mod + gate_off
-        shift_row, scale_row = mod_row + shift_off, mod_row + scale_off
+        gate_row, shift_row, scale_row = mod_row + gate_off, mod_row + shift_off, mod_row + scale_off
         out_row = out_ptr + row * n_cols
         if CHUNKS == 3:
             x0 = _residual_chunk(x_row, y_row, bias_ptr, gate_row, new_row, cols, mask, RESIDUAL, HAS_BIAS, False)
@@ -189,9 +188,9 @@ if triton is not None:
         _quantize_store_row(out_row, scale_ptr + row, m0, m1, m2, cols, mask, BLOCK, CHUNKS, INTERPRET)
 
     @triton.jit
-    def _modulate_quant_rows_kernel(x_ptr, mod_ptr, gate_mod_ptr, sel_ptr, out_ptr, scale_ptr, y_ptr, bias_ptr,
-                                    new_ptr, n_rows, tokens, sets, stride_x, stride_y, stride_mod, stride_gate_mod,
-                                    gate_off, shift_off, scale_off, eps, HAS_SELECTOR: tl.constexpr,  # noqa: N803
+    def _modulate_quant_rows_kernel(x_ptr, mod_ptr, sel_ptr, out_ptr, scale_ptr, y_ptr, bias_ptr, new_ptr, n_rows,
+                                    tokens, sets, stride_x, stride_y, stride_mod, gate_off, shift_off, scale_off, eps,
+                                    HAS_SELECTOR: tl.constexpr,  # noqa: N803
                                     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,  # noqa: N803
                                     BLOCK: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
         """ROWS rows per program as a (ROWS, BLOCK) tile per chunk, rows of exactly 3 * BLOCK columns.
@@ -212,8 +211,8 @@ if triton is not None:
         live2 = live[:, None]
         r2, p2 = rows[:, None], prow[:, None]
         x_row, y_row, new_row = x_ptr + r2 * stride_x, y_ptr + r2 * stride_y, new_ptr + r2 * (3 * BLOCK)
-        gate_row = gate_mod_ptr + p2 * stride_gate_mod + gate_off
-        shift_row, scale_row = mod_ptr + p2 * stride_mod + shift_off, mod_ptr + p2 * stride_mod + scale_off
+        mod_row = mod_ptr + p2 * stride_mod
+        gate_row, shift_row, scale_row = mod_row + gate_off, mod_row + shift_off, mod_row + scale_off
         x0 = _residual_rows_chunk(x_row, y_row, bias_ptr, gate_row, new_row, cols, live2, RESIDUAL, HAS_BIAS)
         x1 = _residual_rows_chunk(x_row + BLOCK, y_row + BLOCK, bias_ptr + BLOCK, gate_row + BLOCK, new_row + BLOCK,
                                   cols, live2, RESIDUAL, HAS_BIAS)
@@ -259,26 +258,26 @@ if triton is not None:
 
     def _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, residual, num_warps, split_rows,
                 rows_per_program):
-        """residual: None or (y2d, bias or None, gate_index, new2d, gate_mod). Returns (x8, scale)."""
+        """residual: None or (y2d, bias or None, gate_index, new2d). Returns (x8, scale)."""
         rows, cols = x2d.shape
         out = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x2d.device)
         scale = torch.empty((rows, 1), dtype=torch.float32, device=x2d.device)
         sets = mod.shape[0] // 2 if selector is not None else mod.shape[0]
-        y2d, bias, gate_index, new2d, gate_mod = residual if residual is not None else (x2d, None, 0, x2d, mod)
+        y2d, bias, gate_index, new2d = residual if residual is not None else (x2d, None, 0, x2d)
         chunks, block = row_chunks(cols, split_rows)
         common = {"HAS_SELECTOR": selector is not None, "RESIDUAL": residual is not None,
                   "HAS_BIAS": bias is not None, "BLOCK": block, "INTERPRET": interpreter_active(),
                   "num_warps": num_warps}
-        args = (x2d, mod, gate_mod, selector if selector is not None else x2d, out, scale, y2d,
-                bias if bias is not None else x2d, new2d)
+        args = (x2d, mod, selector if selector is not None else x2d, out, scale, y2d, bias if bias is not None else x2d,
+                new2d)
         if rows_per_program > 0 and chunks == 3:
             wrap_triton(_modulate_quant_rows_kernel)[(triton.cdiv(rows, rows_per_program),)](
-                *args, rows, tokens, sets, x2d.stride(0), y2d.stride(0), mod.stride(0), gate_mod.stride(0),
-                gate_index * cols, shift_index * cols, scale_index * cols, eps, ROWS=rows_per_program, **common)
+                *args, rows, tokens, sets, x2d.stride(0), y2d.stride(0), mod.stride(0), gate_index * cols,
+                shift_index * cols, scale_index * cols, eps, ROWS=rows_per_program, **common)
         else:
             wrap_triton(_modulate_quant_kernel)[(rows,)](
-                *args, cols, tokens, sets, x2d.stride(0), y2d.stride(0), mod.stride(0), gate_mod.stride(0),
-                gate_index * cols, shift_index * cols, scale_index * cols, eps, CHUNKS=chunks, **common)
+                *args, cols, tokens, sets, x2d.stride(0), y2d.stride(0), mod.stride(0), gate_index * cols,
+                shift_index * cols, scale_index * cols, eps, CHUNKS=chunks, **common)
         return out, scale
 
     @triton_op(OP_NAME, mutates_args={})
@@ -294,12 +293,11 @@ if triton is not None:
                                        eps: float, mod: torch.Tensor, n_params: int, gate_index: int,
                                        shift_index: int, scale_index: int, selector: torch.Tensor | None,
                                        num_warps: int = DEFAULT_WARPS, split_rows: bool = True,
-                                       rows_per_program: int = DEFAULT_ROWS, gate_mod: torch.Tensor | None = None
+                                       rows_per_program: int = DEFAULT_ROWS
                                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         new2d = torch.empty_like(x2d)
         out, scale = _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector,
-                             (y2d, bias, gate_index, new2d, mod if gate_mod is None else gate_mod), num_warps,
-                             split_rows, rows_per_program)
+                             (y2d, bias, gate_index, new2d), num_warps, split_rows, rows_per_program)
         return new2d, out, scale
 
 
@@ -325,18 +323,14 @@ def modulate_quantize_rowwise(x: torch.Tensor, eps: float, mod: torch.Tensor, n_
 
 def residual_modulate_quantize_rowwise(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, eps: float,
                                        mod: torch.Tensor, n_params: int, gate_index: int, shift_index: int,
-                                       scale_index: int, selector: torch.Tensor | None = None,
-                                       gate_mod: torch.Tensor | None = None
+                                       scale_index: int, selector: torch.Tensor | None = None
                                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused gated residual update, then :func:`modulate_quantize_rowwise` of the updated stream.
 
     ``new = x + gate * (y + bias)`` (bf16 roundings as eager's bias add and ``addcmul``; ``gate`` the
     modulation vector at ``gate_index``, chosen per token as shift and scale are), then the quantized
     ``LayerNorm(new) * (1 + scale) + shift``. x: [B, S, D] bf16 CUDA; y: [B * S, D] bf16 with contiguous rows;
-    bias: [D] or None. ``gate_mod``: where the gate comes from when it is not ``mod`` (the previous block's
-    modulation, when a block's last residual update is applied by the next block's first norm); same
-    layout and rows as ``mod``. Returns (new [B, S, D] bf16, x8 [B * S, D] float8_e4m3fn, scale [B * S, 1]
-    float32).
+    bias: [D] or None. Returns (new [B, S, D] bf16, x8 [B * S, D] float8_e4m3fn, scale [B * S, 1] float32).
     """
     problem = norm_quant_problem(x.device, x.shape[-1])
     if problem is not None:
@@ -344,12 +338,9 @@ def residual_modulate_quantize_rowwise(x: torch.Tensor, y: torch.Tensor, bias: t
     if x.dtype != torch.bfloat16 or x.dim() != 3 or y.dtype != torch.bfloat16 or y.dim() != 2 or y.stride(-1) != 1:
         raise ValueError(f"residual_modulate_quantize_rowwise takes x [B, S, D] and y [B * S, D] bf16 with contiguous "
                          f"rows, got x {x.dtype} {tuple(x.shape)}, y {y.dtype} {tuple(y.shape)}")
-    if gate_mod is not None and (gate_mod.shape != mod.shape or gate_mod.stride(-1) != 1):
-        raise ValueError(f"gate_mod must have mod's shape {tuple(mod.shape)} with contiguous rows, got "
-                         f"{tuple(gate_mod.shape)} strides {gate_mod.stride()}")
     sel = None if selector is None else selector.reshape(-1).to(torch.uint8)
     new, x8, scale = _residual_modulate_quantize_op(
         x.reshape(-1, x.shape[-1]).contiguous(), y, bias.to(y.dtype).contiguous() if bias is not None else None,
         x.shape[1], float(eps), mod, n_params, gate_index, shift_index, scale_index, sel, DEFAULT_WARPS,
-        gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, gate_mod)
+        gelu_quant.SPLIT_ROWS, DEFAULT_ROWS)
     return new.reshape(x.shape), x8, scale

@@ -22,8 +22,6 @@ What differs from DiffSynth (none of it changes the function; tests/unit/test_fa
   lengths per mask tensor (or given as ``txt_seq_lens``);
 * optionally (``QWEN_EDIT_FUSED_MODULATION=1``, fp8 modulation weights on a GPU), all blocks' ``img_mod`` /
   ``txt_mod`` linears run before the first block in two launches (:mod:`.fast.modulation`);
-* with the fused LayerNorm kernel (fp8 on a GPU), each block's last gated residual update is applied by the
-  next block's first LayerNorm kernel (:data:`.fast.prequant.CROSS_BLOCK_RESIDUAL`);
 * ``norm_out`` / ``proj_out`` run on the target image tokens only (DiffSynth computes all, then slices);
 * the final unpatchify keeps the batch (DiffSynth's fixes B = 1).
 
@@ -44,7 +42,6 @@ from .fast.block import MASK_BACKENDS, fast_block, length_carriers
 from .fast.compile import compile_blocks, compiled_blocks, mark_sequence_dynamic, uncompile_blocks
 from .fast.graphs import forward_graphs
 from .fast.modulation import block_modulations
-from .fast.prequant import can_defer_residual
 from .fast.qkv import FUSED_QKV_PATTERN, fuse_qkv
 from .fast.rope import rope_tables, target_selector
 from .fast.text import batch_prompts, text_lengths
@@ -248,15 +245,11 @@ def _forward(dit: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor
         mark_sequence_dynamic((cos, 0), (sin, 0), (selector, 1), (key_mask, 3),
                               *((c, 0) for c in carriers or ()))
     mods = block_modulations(dit, temb_img, temb_txt)
-    blocks = dit.transformer_blocks
-    defer = can_defer_residual(image) and can_defer_residual(text)
-    pending = None
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(dit.transformer_blocks):
         if mark:
-            mark_sequence_dynamic((image, 1), (text, 1), *((p.update, 0) for p in pending or ()))
-        image, text, pending = block_fn(block, image, text, temb_img, temb_txt, cos, sin, selector, carriers,
-                                        key_mask, attention_backend, None if mods is None else mods[i], pending,
-                                        defer and i < len(blocks) - 1)
+            mark_sequence_dynamic((image, 1), (text, 1))
+        image, text = block_fn(block, image, text, temb_img, temb_txt, cos, sin, selector, carriers, key_mask,
+                               attention_backend, None if mods is None else mods[i])
 
     out_cond = conditioning[: conditioning.shape[0] // 2] if zero_cond_t else conditioning
     image = dit.proj_out(dit.norm_out(image[:, :target_tokens], out_cond))

@@ -33,10 +33,8 @@ from ...fp8.attention import attention
 from .fp8_attention import cudnn_fp8_joint_attention, split_output
 from .mlp import mlp_forward, mlp_takes_prequantized
 from .prequant import (
-    PendingResidual,
     Prequantized,
     apply_linear,
-    mod_params,
     modulated_input,
     residual_then_modulated,
     takes_prequantized,
@@ -96,6 +94,21 @@ def qk_norm_rope(
     if torch.compiler.is_compiling():
         return rope_real(y, cos, sin)
     return rope_complex(y, cos, sin)
+
+
+def _mod_params(mod: torch.Tensor, dim: int, selector: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Six (shift, scale, gate) x (attention, MLP) vectors from a modulation GEMM output.
+
+    mod: (Bm, 6 * dim). Without ``selector``: six (Bm, 1, dim) views. With ``selector`` (1, S, 1) bool
+    (zero_cond_t): ``mod`` is (2 * Bt, 6 * dim), rows ``[:Bt]`` for the real timestep (target tokens,
+    selector True) and ``[Bt:]`` for timestep 0 (reference tokens); each output is (Bt, S, dim).
+    """
+    p = mod.unflatten(-1, (6, dim)).unsqueeze(1)
+    if selector is None:
+        return p.unbind(2)
+    n = p.shape[0] // 2
+    first, second = p[:n], p[n:]
+    return tuple(torch.where(selector, first[:, :, j], second[:, :, j]) for j in range(6))
 
 
 def _qkv_layers(attn: torch.nn.Module, image_stream: bool) -> tuple[torch.nn.Module, ...]:
@@ -197,11 +210,8 @@ def fast_block(
     key_mask: torch.Tensor | None,
     backend: str,
     mods: tuple[torch.Tensor, torch.Tensor] | None = None,
-    pending: tuple[PendingResidual, PendingResidual] | None = None,
-    defer: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[PendingResidual, PendingResidual] | None]:
-    """One ``QwenImageTransformerBlock`` forward; returns ``(image, text, pending)`` (DiffSynth returns
-    ``(text, image)``).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ``QwenImageTransformerBlock`` forward; returns ``(image, text)`` (DiffSynth returns ``(text, image)``).
 
     Args:
         block: a DiffSynth ``QwenImageTransformerBlock`` (optionally after :func:`.qkv.fuse_qkv` and
@@ -220,14 +230,9 @@ def fast_block(
         backend: attention backend name (``fp8.attention.BACKENDS``).
         mods: None, or this block's ``(img_mod.1(temb_img), txt_mod.1(temb_txt))`` computed beforehand
             (:func:`.modulation.block_modulations`), (rows, 6 * D) each.
-        pending: None, or the previous block's last gated residual update of each stream (image, text),
-            which this block applies first (in its first LayerNorm kernel where that runs).
-        defer: leave this block's own last residual updates to the next block (returned as ``pending``)
-            instead of applying them; the caller passes them on (:func:`.prequant.can_defer_residual`).
 
     Returns:
-        ``(image, text, pending)``: the streams with the input shapes and dtypes (before this block's last
-        residual update when ``defer``), and the deferred updates (None unless ``defer``).
+        ``(image, text)`` with the input shapes and dtypes.
     """
     attn = block.attn
     dim = image.shape[-1]
@@ -236,17 +241,14 @@ def fast_block(
         img_mod, txt_mod = block.img_mod[1](temb_img), block.txt_mod[1](temb_txt)
     else:
         img_mod, txt_mod = mods
-    img_p = mod_params(img_mod, dim, selector)
-    txt_p = mod_params(txt_mod, dim, None)
+    img_p = _mod_params(img_mod, dim, selector)
+    txt_p = _mod_params(txt_mod, dim, None)
 
     img_qkv, txt_qkv = _qkv_layers(attn, True), _qkv_layers(attn, False)
     img_fp8 = all(takes_prequantized(p) for p in img_qkv)
     txt_fp8 = all(takes_prequantized(p) for p in txt_qkv)
-    img_pending, txt_pending = (None, None) if pending is None else pending
-    image, img_x = modulated_input(image, block.img_norm1.eps, img_mod, 0, 1, img_p[0], img_p[1], selector, img_fp8,
-                                   img_pending)
-    text, txt_x = modulated_input(text, block.txt_norm1.eps, txt_mod, 0, 1, txt_p[0], txt_p[1], None, txt_fp8,
-                                  txt_pending)
+    img_x = modulated_input(image, block.img_norm1.eps, img_mod, 0, 1, img_p[0], img_p[1], selector, img_fp8)
+    txt_x = modulated_input(text, block.txt_norm1.eps, txt_mod, 0, 1, txt_p[0], txt_p[1], None, txt_fp8)
     if backend in ("cudnn_fp8", "cudnn_fp8_emulated") and key_mask is None:
         # The QKV biases go into the fused QK and v kernels instead of a pass of their own.
         (q_i, k_i, v_i), (bq_i, bk_i, bv_i) = _qkv_unbiased(attn, img_qkv, img_x)
@@ -273,8 +275,6 @@ def fast_block(
     text, txt_in = residual_then_modulated(text, txt_p[2], attn.to_add_out, txt_attn, block.txt_norm2.eps,
                                            txt_mod, (2, 3, 4), txt_p[3], txt_p[4], None,
                                            mlp_takes_prequantized(block.txt_mlp, text))
-    img_update, txt_update = mlp_forward(block.img_mlp, img_in), mlp_forward(block.txt_mlp, txt_in)
-    if defer:
-        return image, text, (PendingResidual(img_update.reshape(-1, dim), img_mod),
-                             PendingResidual(txt_update.reshape(-1, dim), txt_mod))
-    return torch.addcmul(image, img_p[5], img_update), torch.addcmul(text, txt_p[5], txt_update), None
+    image = torch.addcmul(image, img_p[5], mlp_forward(block.img_mlp, img_in))
+    text = torch.addcmul(text, txt_p[5], mlp_forward(block.txt_mlp, txt_in))
+    return image, text

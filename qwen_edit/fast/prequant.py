@@ -24,15 +24,9 @@ from ...fp8.linear import ScaledMMLinear
 from ...fp8.norm_quant import modulate_quantize_rowwise, norm_quant_problem, residual_modulate_quantize_rowwise
 
 __all__ = [
-    "CROSS_BLOCK_RESIDUAL",
     "FUSED_NORM_QUANT",
-    "PENDING_GATE_INDEX",
-    "PendingResidual",
     "Prequantized",
     "apply_linear",
-    "apply_pending",
-    "can_defer_residual",
-    "mod_params",
     "modulated_input",
     "residual_then_modulated",
     "takes_prequantized",
@@ -40,10 +34,6 @@ __all__ = [
 ]
 
 FUSED_NORM_QUANT = os.environ.get("QWEN_EDIT_FUSED_NORM_QUANT", "1") != "0"
-
-CROSS_BLOCK_RESIDUAL = os.environ.get("QWEN_EDIT_CROSS_BLOCK_RESIDUAL", "1") != "0"
-"""With the fused norm kernel: each block but the last leaves its MLP's gated residual update to the next
-block's first LayerNorm kernel (one pass over the stream less per block). Read by the fast forward per call."""
 
 
 class Prequantized(NamedTuple):
@@ -65,70 +55,20 @@ def _fusable(consumers_take_fp8: bool, x: torch.Tensor) -> bool:
             and norm_quant_problem(x.device, x.shape[-1]) is None)
 
 
-class PendingResidual(NamedTuple):
-    """A gated residual update a block left for the next block's first norm kernel to apply:
-    ``x + gate * update``, update (B * S, D) bf16 (the MLP output, bias included), gate the vector at
-    ``GATE_INDEX`` of ``mod`` (the leaving block's modulation GEMM output, (R, 6 * D))."""
-
-    update: torch.Tensor
-    mod: torch.Tensor
-
-
-PENDING_GATE_INDEX = 5
-"""The MLP gate's index among a block's six modulation vectors (shift, scale, gate for attention, then MLP)."""
-
-
-def mod_params(mod: torch.Tensor, dim: int, selector: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """Six (shift, scale, gate) x (attention, MLP) vectors from a modulation GEMM output.
-
-    mod: (Bm, 6 * dim). Without ``selector``: six (Bm, 1, dim) views. With ``selector`` (1, S, 1) bool
-    (zero_cond_t): ``mod`` is (2 * Bt, 6 * dim), rows ``[:Bt]`` for the real timestep (target tokens,
-    selector True) and ``[Bt:]`` for timestep 0 (reference tokens); each output is (Bt, S, dim).
-    """
-    p = mod.unflatten(-1, (6, dim)).unsqueeze(1)
-    if selector is None:
-        return p.unbind(2)
-    n = p.shape[0] // 2
-    first, second = p[:n], p[n:]
-    return tuple(torch.where(selector, first[:, :, j], second[:, :, j]) for j in range(6))
-
-
-def can_defer_residual(x: torch.Tensor) -> bool:
-    """True when a block may leave its last residual update of stream ``x`` (B, S, D) to the next block:
-    the next block's LayerNorm kernel can apply it (:func:`modulated_input` with ``pending``)."""
-    return CROSS_BLOCK_RESIDUAL and _fusable(True, x)
-
-
-def apply_pending(x: torch.Tensor, pending: PendingResidual, selector: torch.Tensor | None) -> torch.Tensor:
-    """``x + gate * update`` in plain torch (where the next block's norm cannot take the update)."""
-    gate = mod_params(pending.mod, x.shape[-1], selector)[PENDING_GATE_INDEX]
-    return torch.addcmul(x, gate, pending.update.reshape(x.shape))
-
-
 def modulated_input(x: torch.Tensor, eps: float, mod: torch.Tensor, shift_index: int, scale_index: int,
                     shift: torch.Tensor, scale: torch.Tensor, selector: torch.Tensor | None,
-                    consumers_take_fp8: bool, pending: PendingResidual | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor | Prequantized]:
+                    consumers_take_fp8: bool) -> torch.Tensor | Prequantized:
     """``LayerNorm(x) * (1 + scale) + shift``, quantized once when ``consumers_take_fp8`` and the kernel can run.
 
     x: (B, S, D); mod: the modulation GEMM output (R, 6 * D) that ``shift`` / ``scale`` (views of it,
-    or per-token selections with ``selector``, see :func:`mod_params`) come from, at vector indices
+    or per-token selections with ``selector``, see ``block._mod_params``) come from, at vector indices
     ``shift_index`` / ``scale_index``. ``consumers_take_fp8``: every layer that reads the result runs
     through :func:`apply_linear` / ``mlp.mlp_forward`` and can take a :class:`Prequantized` input.
-    ``pending``: the previous block's last residual update, applied to ``x`` first (in the same kernel
-    where it runs). Returns (x after ``pending``, the modulated input).
     """
-    if pending is not None:
-        if _fusable(consumers_take_fp8, x):
-            new, x8, x_scale = residual_modulate_quantize_rowwise(
-                x, pending.update, None, eps, mod, 6, PENDING_GATE_INDEX, shift_index, scale_index, selector,
-                gate_mod=pending.mod)
-            return new, Prequantized(x8, x_scale, x.shape[0], x.shape[1])
-        x = apply_pending(x, pending, selector)
     if _fusable(consumers_take_fp8, x):
         x8, x_scale = modulate_quantize_rowwise(x, eps, mod, 6, shift_index, scale_index, selector)
-        return x, Prequantized(x8, x_scale, x.shape[0], x.shape[1])
-    return x, torch.addcmul(shift, F.layer_norm(x, (x.shape[-1],), eps=eps), 1 + scale)
+        return Prequantized(x8, x_scale, x.shape[0], x.shape[1])
+    return torch.addcmul(shift, F.layer_norm(x, (x.shape[-1],), eps=eps), 1 + scale)
 
 
 def residual_then_modulated(x: torch.Tensor, gate: torch.Tensor, layer: torch.nn.Module, layer_input: torch.Tensor,
@@ -147,7 +87,7 @@ def residual_then_modulated(x: torch.Tensor, gate: torch.Tensor, layer: torch.nn
         new, x8, x_scale = residual_modulate_quantize_rowwise(x, update, bias, eps, mod, 6, *indices, selector)
         return new, Prequantized(x8, x_scale, x.shape[0], x.shape[1])
     new = torch.addcmul(x, gate, apply_linear(layer, layer_input))
-    return modulated_input(new, eps, mod, indices[1], indices[2], shift, scale, selector, consumers_take_fp8)
+    return new, modulated_input(new, eps, mod, indices[1], indices[2], shift, scale, selector, consumers_take_fp8)
 
 
 def unbiased_output(layer: torch.nn.Module, x2d: torch.Tensor | Prequantized

@@ -338,9 +338,8 @@ def test_fused_modulate_quantize_kernel_matches_its_reference(mod_rows, with_sel
 
 
 @pytest.mark.parametrize("rows_per_program", [0, 1, 2])
-@pytest.mark.parametrize("with_selector,other_gate", [(False, False), (True, False), (True, True)])
-def test_fused_residual_modulate_quantize_kernel_matches_its_reference(with_selector, other_gate, rows_per_program,
-                                                                       monkeypatch):
+@pytest.mark.parametrize("with_selector", [False, True])
+def test_fused_residual_modulate_quantize_kernel_matches_its_reference(with_selector, rows_per_program, monkeypatch):
     from qwen_edit_hopper.fp8 import norm_quant
     from qwen_edit_hopper.fp8.norm_quant import reference_residual_modulate_quantize, residual_modulate_quantize_rowwise
 
@@ -350,10 +349,9 @@ def test_fused_residual_modulate_quantize_kernel_matches_its_reference(with_sele
     y = torch.randn(b * s, d, device=DEV).bfloat16()
     bias = torch.randn(d, device=DEV).bfloat16()
     mod = torch.randn(2 if with_selector else 1, 6 * d, device=DEV).bfloat16()
-    gate_mod = torch.randn_like(mod) if other_gate else None  # the previous block's modulation (cross-block)
     selector = (torch.arange(s, device=DEV) < s // 2).reshape(1, s, 1) if with_selector else None
-    new, x8, scale = residual_modulate_quantize_rowwise(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector, gate_mod)
-    r_new, r8, rs = reference_residual_modulate_quantize(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector, gate_mod)
+    new, x8, scale = residual_modulate_quantize_rowwise(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector)
+    r_new, r8, rs = reference_residual_modulate_quantize(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector)
     assert new.shape == x.shape and new.dtype == torch.bfloat16
     assert (new != r_new).float().mean() < 1e-3  # fused multiply-add vs two roundings: rare last-bit flips
     torch.testing.assert_close(scale, rs, rtol=1e-2, atol=0)

@@ -17,7 +17,8 @@ from qwen_edit_hopper.fp8.norm_quant import (
     reference_residual_modulate_quantize,
 )
 from qwen_edit_hopper.fp8.quant import dequantize, quantize_rowwise, relative_error
-from qwen_edit_hopper.qwen_edit.fast.prequant import mod_params, modulated_input
+from qwen_edit_hopper.qwen_edit.fast.block import _mod_params
+from qwen_edit_hopper.qwen_edit.fast.prequant import modulated_input
 from triton_interpreter import run_probe
 
 
@@ -31,17 +32,15 @@ def test_kernel_refuses_cpu_tensors_with_the_reason():
 @pytest.mark.parametrize("with_selector", [False, True])
 @pytest.mark.parametrize("mod_rows", [1, 2])
 def test_reference_equals_the_block_modulation(with_selector, mod_rows):
-    """reference_modulate_quantize picks the same shift / scale per token as prequant.mod_params."""
+    """reference_modulate_quantize picks the same shift / scale per token as the block's _mod_params."""
     torch.manual_seed(0)
     b, s, d = 2, 7, 32
     x = (torch.randn(b, s, d) * 3 + 1).bfloat16()
     selector = torch.tensor([True, True, True, False, False, True, False]).reshape(1, s, 1) if with_selector else None
     mod = torch.randn(mod_rows * (2 if with_selector else 1), 6 * d).bfloat16()
-    params = mod_params(mod, d, selector)
+    params = _mod_params(mod, d, selector)
     for first in (0, 3):
-        same, plain = modulated_input(x, 1e-6, mod, first, first + 1, params[first], params[first + 1], selector,
-                                      False)
-        assert same is x
+        plain = modulated_input(x, 1e-6, mod, first, first + 1, params[first], params[first + 1], selector, False)
         assert isinstance(plain, torch.Tensor) and plain.shape == (b, s, d)
         x8, scale = reference_modulate_quantize(x, 1e-6, mod, 6, first, first + 1, selector)
         assert x8.shape == (b * s, d) and scale.shape == (b * s, 1)
@@ -60,7 +59,7 @@ def test_residual_reference_equals_the_block_update(with_selector):
     bias = torch.randn(d).bfloat16()
     selector = torch.tensor([True, False, True, True, False, True, True]).reshape(1, s, 1) if with_selector else None
     mod = torch.randn(2 if with_selector else 1, 6 * d).bfloat16()
-    params = mod_params(mod, d, selector)
+    params = _mod_params(mod, d, selector)
     want = torch.addcmul(x, params[2], (y + bias).reshape(b, s, d))
     new, x8, scale = reference_residual_modulate_quantize(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector)
     assert torch.equal(new, want)
@@ -103,26 +102,23 @@ for b, s, d, sets, with_sel, first in ((1, 5, 200, 1, False, 0), (2, 6, 128, 1, 
                          finite=bool(torch.isfinite(x8.float()).all()), scale_err=relative_error(scale, rs),
                          err=relative_error(dequantize(x8, scale), dequantize(r8, rs)),
                          same_codes=float((x8.float() == r8.float()).float().mean())))
-for b, s, d, sets, with_sel, with_bias, other_gate in ((2, 6, 128, 1, False, True, False),
-                                                       (2, 9, 96, 2, True, False, False),
-                                                       (2, 5, 96, 1, False, True, True),
-                                                       (1, 7, 96, 1, True, False, True)):
+for b, s, d, sets, with_sel, with_bias in ((2, 6, 128, 1, False, True), (2, 9, 96, 2, True, False),
+                                           (2, 5, 96, 1, False, True), (1, 7, 96, 1, True, False)):
     x = (torch.randn(b, s, d, generator=g) * 2).bfloat16()
     y = torch.randn(b * s, d, generator=g).bfloat16()
     bias = torch.randn(d, generator=g).bfloat16() if with_bias else None
     mod = torch.randn(sets * (2 if with_sel else 1), 6 * d, generator=g).bfloat16()
-    gate_mod = torch.randn(mod.shape, generator=g).bfloat16() if other_gate else None
     sel = (torch.arange(s) % 3 != 1) if with_sel else None
     for per_program in (0, 1, 2):
         new, x8, scale = nq._residual_modulate_quantize_op(x.reshape(-1, d), y, bias, s, 1e-6, mod, 6, 2, 3, 4,
                                                            None if sel is None else sel.to(torch.uint8), 2, True,
-                                                           per_program, gate_mod)
+                                                           per_program)
         rows_ = nq._modulation_rows(b * s, s, sets, sel, x.device)
-        gate = (mod if gate_mod is None else gate_mod).unflatten(-1, (6, d))[rows_][:, 2].float()
+        gate = mod.unflatten(-1, (6, d))[rows_][:, 2].float()
         update = y.float() if bias is None else truncate_bf16(y.float() + bias.float())
         want_new = truncate_bf16(x.reshape(-1, d).float() + gate * update)
         r8, rs = truncating_reference(want_new.reshape(b, s, d), 1e-6, mod, 3, sel)
-        rows.append(dict(case=[b, s, d, sets, with_sel, "residual", other_gate, per_program],
+        rows.append(dict(case=[b, s, d, sets, with_sel, "residual", per_program],
                          finite=bool(torch.isfinite(x8.float()).all()), new_err=relative_error(new.float(), want_new),
                          scale_err=relative_error(scale, rs),
                          err=relative_error(dequantize(x8, scale), dequantize(r8, rs)),
