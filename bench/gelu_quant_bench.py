@@ -15,7 +15,6 @@ replays. Eager timing measured the host's custom-op launch (about 0.1 ms), not t
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import harness_core as hc
 from pack import load_pack
 
 COPIES = 3
@@ -31,29 +31,10 @@ COPIES = 3
 GRAPH_CALLS = 30
 
 
-def graph_ms(fn, calls: int = GRAPH_CALLS, replays: int = 7) -> float:
-    """ms per call of ``fn(i)`` (i = 0 .. calls - 1), captured in one CUDA graph and replayed: kernel time
-    without the host's launch cost (an eager custom-op launch costs more than these kernels run)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(COPIES):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del graph
-    return statistics.median(times)
+def graph_ms(fn, calls: int = GRAPH_CALLS) -> float:
+    """ms per call of ``fn(i)`` (i = 0 .. calls - 1) in one CUDA graph: kernel time without the host's launch
+    cost (an eager custom-op launch costs more than these kernels run)."""
+    return hc.graph_ms_per_call(fn, calls)
 
 
 def _time_candidates(candidates: dict, device: torch.device, bytes_moved: int, ref8: torch.Tensor) -> dict:

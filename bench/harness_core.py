@@ -179,6 +179,15 @@ def capture_cuda_graph(fn: Callable[[], Any], warmups: int = 2) -> tuple[torch.c
     return graph, out
 
 
+def graph_ms_per_call(step: Callable[[int], Any], calls: int, reps: int = 7) -> float:
+    """Median ms per call of ``step(i)`` for i in 0..calls-1, captured as one CUDA graph (after one warm-up pass
+    on a side stream) and replayed ``reps`` times: kernel time without the host's launch cost."""
+    graph, _ = capture_cuda_graph(lambda: [step(i) for i in range(calls)], warmups=1)
+    ms = time_calls(graph.replay, torch.device("cuda"), warmup=2, reps=reps)["ms"] / calls
+    del graph
+    return ms
+
+
 def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import harness_core as hc
 from pack import load_pack
 
 load_pack()
@@ -137,25 +138,9 @@ def inputs(batch: int, device: torch.device):
             angles.sin().contiguous(), bound, b_img, b_txt)  # fmt: skip
 
 
-def time_us(fn, calls: int = 50, replays: int = 5) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
+def time_us(fn, calls: int = 50) -> float:
+    """us per call of ``fn()``: ``calls`` calls in one CUDA graph, replayed (median)."""
+    return hc.graph_ms_per_call(lambda i: fn(), calls, reps=5) * 1000
 
 
 def main() -> int:

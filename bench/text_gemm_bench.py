@@ -108,17 +108,7 @@ def scaled_mm(x8, xs, w8, ws):
 
 def graph_ms(step, calls: int = CALLS) -> float:
     """Median ms per call of ``step(i)`` for i in 0..calls-1, captured as one CUDA graph and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            step(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            step(i)
-    return hc.time_calls(graph.replay, torch.device("cuda"), warmup=3, reps=9)["ms"] / calls
+    return hc.graph_ms_per_call(step, calls, reps=9)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
