@@ -196,8 +196,8 @@ if triton is not None:
         """ROWS rows per program as a (ROWS, BLOCK) tile per chunk, rows of exactly 3 * BLOCK columns.
 
         Each reduction (mean, variance, amax) is one cross-warp reduction for all ROWS rows: the three
-        chunks are combined in registers first. Rows past ``n_rows`` read the last row (no load masks)
-        and store nothing.
+        chunks are combined in registers first. Rows past ``n_rows`` take the last row's modulation row,
+        load zeros and store nothing.
         """
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         live = rows < n_rows
@@ -213,18 +213,19 @@ if triton is not None:
         x_row, y_row, new_row = x_ptr + r2 * stride_x, y_ptr + r2 * stride_y, new_ptr + r2 * (3 * BLOCK)
         mod_row = mod_ptr + p2 * stride_mod
         gate_row, shift_row, scale_row = mod_row + gate_off, mod_row + shift_off, mod_row + scale_off
-        x0 = _residual_rows_chunk(x_row, y_row, bias_ptr, gate_row, new_row, cols, live2, RESIDUAL, HAS_BIAS)
-        x1 = _residual_rows_chunk(x_row + BLOCK, y_row + BLOCK, bias_ptr + BLOCK, gate_row + BLOCK, new_row + BLOCK,
-                                  cols, live2, RESIDUAL, HAS_BIAS)
-        x2 = _residual_rows_chunk(x_row + 2 * BLOCK, y_row + 2 * BLOCK, bias_ptr + 2 * BLOCK, gate_row + 2 * BLOCK,
-                                  new_row + 2 * BLOCK, cols, live2, RESIDUAL, HAS_BIAS)
+        # masked by row: a program's rows past n_rows load zeros and store nothing
+        x0 = _residual_chunk(x_row, y_row, bias_ptr, gate_row, new_row, cols, live2, RESIDUAL, HAS_BIAS, True)
+        x1 = _residual_chunk(x_row + BLOCK, y_row + BLOCK, bias_ptr + BLOCK, gate_row + BLOCK, new_row + BLOCK, cols,
+                             live2, RESIDUAL, HAS_BIAS, True)
+        x2 = _residual_chunk(x_row + 2 * BLOCK, y_row + 2 * BLOCK, bias_ptr + 2 * BLOCK, gate_row + 2 * BLOCK,
+                             new_row + 2 * BLOCK, cols, live2, RESIDUAL, HAS_BIAS, True)
         n_cols = 3 * BLOCK
         mean = (tl.sum(x0 + x1 + x2, axis=1) / n_cols)[:, None]
         d0, d1, d2 = x0 - mean, x1 - mean, x2 - mean
         rstd = tl.rsqrt(tl.sum(d0 * d0 + d1 * d1 + d2 * d2, axis=1) / n_cols + eps)[:, None]
-        m0 = _modulated_rows_chunk(d0, rstd, shift_row, scale_row, cols)
-        m1 = _modulated_rows_chunk(d1, rstd, shift_row + BLOCK, scale_row + BLOCK, cols)
-        m2 = _modulated_rows_chunk(d2, rstd, shift_row + 2 * BLOCK, scale_row + 2 * BLOCK, cols)
+        m0 = _modulated_chunk(x0, mean, rstd, shift_row, scale_row, cols, live2, False)
+        m1 = _modulated_chunk(x1, mean, rstd, shift_row + BLOCK, scale_row + BLOCK, cols, live2, False)
+        m2 = _modulated_chunk(x2, mean, rstd, shift_row + 2 * BLOCK, scale_row + 2 * BLOCK, cols, live2, False)
         amax = tl.max(tl.maximum(tl.maximum(tl.abs(m0), tl.abs(m1)), tl.abs(m2)), axis=1)
         scale = tl.maximum(amax, _EPS) / _E4M3_MAX
         inv = (1.0 / scale)[:, None]
@@ -234,27 +235,6 @@ if triton is not None:
         tl.store(out_row + 2 * BLOCK + cols, _to_e4m3(tl.clamp(m2 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET),
                  mask=live2)
         tl.store(scale_ptr + rows, scale, mask=live)
-
-    @triton.jit
-    def _residual_rows_chunk(x_ptr, y_ptr, bias_ptr, gate_ptr, new_ptr, cols, live, RESIDUAL: tl.constexpr,  # noqa: N803
-                             HAS_BIAS: tl.constexpr):  # noqa: N803
-        """:func:`_residual_chunk` for a (ROWS, BLOCK) tile: x, or x + gate * (y + bias) rounded to bf16 and stored."""
-        x = tl.load(x_ptr + cols).to(tl.float32)
-        if RESIDUAL:
-            update = tl.load(y_ptr + cols).to(tl.float32)
-            if HAS_BIAS:
-                update = (update + tl.load(bias_ptr + cols).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
-            x = (x + tl.load(gate_ptr + cols).to(tl.float32) * update).to(tl.bfloat16)
-            tl.store(new_ptr + cols, x, mask=live)
-            x = x.to(tl.float32)
-        return x
-
-    @triton.jit
-    def _modulated_rows_chunk(centered, rstd, shift_ptr, scale_ptr, cols):
-        """:func:`_modulated_chunk` for a (ROWS, BLOCK) tile of ``x - mean``."""
-        ln = (centered * rstd).to(tl.bfloat16).to(tl.float32)
-        scale_m = tl.load(scale_ptr + cols).to(tl.float32)
-        return (ln * (1.0 + scale_m) + tl.load(shift_ptr + cols).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
 
     def _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, residual, num_warps, split_rows,
                 rows_per_program):
