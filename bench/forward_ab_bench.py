@@ -11,6 +11,8 @@ and power drift hit all variants alike. Variants:
   keep cuBLASLt);
 * ``... + CUDA graphs``: the same through the pack's whole-forward graphs (:mod:`qwen_edit.fast.graphs`);
 * with ``--modulation``, also shared-input modulation (:mod:`qwen_edit.fast.modulation`, off by default);
+* with ``--scalars`` instead: 1 / descale (cuDNN's output scale) and the output projections' row scales
+  written by the v cast kernel (``fp8_attention.V_KERNEL_SCALARS``, shipped) or by three small kernels per block;
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
   (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
   timed a cross-block residual update, since removed: docs/experiments/forward.md.)
@@ -42,19 +44,24 @@ from pack import load_pack
 SHIPPED = None
 """For the LayerNorm kernel's rows per program: the pack's default."""
 
-VARIANTS = (  # label, shared-input modulation, CUDA graphs, small-M text GEMMs, LayerNorm rows per program
-    ("cuBLASLt text GEMMs", False, False, False, SHIPPED),
-    ("small-M text GEMMs", False, False, True, SHIPPED),
-    ("cuBLASLt text GEMMs + CUDA graphs", False, True, False, SHIPPED),
-    ("small-M text GEMMs + CUDA graphs", False, True, True, SHIPPED),
+VARIANTS = (  # label, shared-input modulation, CUDA graphs, small-M text GEMMs, LayerNorm rows per program,
+    # attention scalars from the v kernel
+    ("cuBLASLt text GEMMs", False, False, False, SHIPPED, SHIPPED),
+    ("small-M text GEMMs", False, False, True, SHIPPED, SHIPPED),
+    ("cuBLASLt text GEMMs + CUDA graphs", False, True, False, SHIPPED, SHIPPED),
+    ("small-M text GEMMs + CUDA graphs", False, True, True, SHIPPED, SHIPPED),
 )
 MODULATION_VARIANTS = (
-    ("small-M + shared-input modulation", True, False, True, SHIPPED),
-    ("small-M + shared-input modulation + CUDA graphs", True, True, True, SHIPPED),
+    ("small-M + shared-input modulation", True, False, True, SHIPPED, SHIPPED),
+    ("small-M + shared-input modulation + CUDA graphs", True, True, True, SHIPPED, SHIPPED),
 )
 NORM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs
-    ("one-row LN kernel", False, True, True, 0),
-    ("multi-row LN kernel (1 row per program)", False, True, True, 1),
+    ("one-row LN kernel", False, True, True, 0, SHIPPED),
+    ("multi-row LN kernel (1 row per program)", False, True, True, 1, SHIPPED),
+)
+SCALAR_VARIANTS = (  # all with small-M GEMMs and CUDA graphs
+    ("attention scalars by small kernels", False, True, True, SHIPPED, False),
+    ("attention scalars from the v kernel", False, True, True, SHIPPED, True),
 )
 
 
@@ -68,17 +75,21 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--modulation", action="store_true", help="also the shared-input modulation variants")
+    parser.add_argument("--scalars", action="store_true",
+                        help="instead: attention scalars (1 / descale, output row scales) from the v cast kernel or "
+                             "from small kernels, with small-M GEMMs and CUDA graphs")  # fmt: skip
     parser.add_argument("--norm", action="store_true",
                         help="instead: the LayerNorm kernel, one-row or multi-row")
     args = parser.parse_args()
-    variants = NORM_VARIANTS if args.norm else VARIANTS + (MODULATION_VARIANTS if args.modulation else ())
+    variants = (NORM_VARIANTS if args.norm else SCALAR_VARIANTS if args.scalars
+                else VARIANTS + (MODULATION_VARIANTS if args.modulation else ()))  # fmt: skip
     load_pack()
     from qwen_edit_hopper.fp8 import norm_quant, small_m_gemm
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
-    from qwen_edit_hopper.qwen_edit.fast import graphs, modulation
+    from qwen_edit_hopper.qwen_edit.fast import fp8_attention, graphs, modulation
 
-    shipped_rows = norm_quant.DEFAULT_ROWS
+    shipped_rows, shipped_scalars = norm_quant.DEFAULT_ROWS, fp8_attention.V_KERNEL_SCALARS
 
     device = torch.device("cuda")
     base = hm.build_dit(hm.FULL, device)
@@ -90,14 +101,15 @@ def main() -> int:
 
     current = [None]
 
-    def runner(fused: bool, graphed: bool, small_m: bool, rows: int | None, batch: int):
+    def runner(fused: bool, graphed: bool, small_m: bool, rows: int | None, scalars: bool | None, batch: int):
         def call():
-            if current[0] != (fused, graphed, small_m, rows):  # no switch is in a graph's signature
+            if current[0] != (fused, graphed, small_m, rows, scalars):  # no switch is in a graph's signature
                 graphs.disable_cuda_graphs(module)
-                current[0] = (fused, graphed, small_m, rows)
+                current[0] = (fused, graphed, small_m, rows, scalars)
             modulation.FUSED_MODULATION = fused
             small_m_gemm.ENABLED = small_m
             norm_quant.DEFAULT_ROWS = shipped_rows if rows is SHIPPED else rows
+            fp8_attention.V_KERNEL_SCALARS = shipped_scalars if scalars is SHIPPED else scalars
             if graphed:
                 graphs.enable_cuda_graphs(module)
             else:

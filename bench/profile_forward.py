@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import gelu_quant_bench
 import harness_core as hc
 import harness_models as hm
+import kernel_timeline
 from pack import load_pack
 
 CATEGORIES = (
@@ -53,20 +54,23 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def profile(fn) -> dict:
+def profile(fn, with_timeline: bool = False) -> dict:
+    """Kernel time per name and per category of one call of ``fn``; with ``with_timeline``, also the device
+    timeline's idle time and one block's kernel sequence (:mod:`kernel_timeline`)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    extra = {"timeline": kernel_timeline.timeline(prof)} if with_timeline else {}
     rows = [(e.key, e.device_time_total / 1000.0, e.count) for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda r: -r[1])
     totals: dict[str, float] = {}
     for name, ms, _ in rows:
         totals[category(name)] = totals.get(category(name), 0.0) + ms
     return {"total_ms": sum(r[1] for r in rows), "by_category": totals,
-            "top": [[name[:140], round(ms, 2), count] for name, ms, count in rows[:25]]}
+            "top": [[name[:140], round(ms, 2), count] for name, ms, count in rows[:25]], **extra}
 
 
 def graphed(call, reference: torch.Tensor, device: torch.device) -> dict:
@@ -92,6 +96,9 @@ def main() -> int:
                              "-unsplit (GELU / LayerNorm kernels without the three-chunk rows), -permod (modulation "
                              "linears called per block, not in two shared-input launches), -graphs (the pack's "
                              "whole-forward CUDA graphs, fast.graphs)")  # fmt: skip
+    parser.add_argument("--timeline", action="store_true",
+                        help="also each variant's device timeline under the profiler: idle time between kernels, "
+                             "tiny kernels, one block's kernel sequence")  # fmt: skip
     parser.add_argument("--cuda-graph", action="store_true",
                         help="also time each variant's forward captured whole in one CUDA graph and replayed (no host "
                              "launch overhead: what the host side costs per forward)")  # fmt: skip
@@ -162,7 +169,7 @@ def main() -> int:
             if args.cuda_graph:
                 graph = results["variants"][label]["cuda_graph"] = graphed(call, reference, device)
                 print(f"{'  ... captured in one CUDA graph':88s} {graph}", flush=True)
-            results.setdefault("profiles", {})[label] = profile(call)
+            results.setdefault("profiles", {})[label] = profile(call, args.timeline)
             if "shipped" in label and "profile" not in results:
                 results["profile"] = {"variant": label, **results["profiles"][label]}
             del module, call
@@ -179,6 +186,9 @@ def main() -> int:
     for label, p in results.get("profiles", {}).items():
         cats = ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(p["by_category"].items(), key=lambda kv: -kv[1]))
         print(f"kernels of {label[:60]}: {p['total_ms']:.1f} ms ({cats})")
+    for label, p in results.get("profiles", {}).items():
+        if "timeline" in p:
+            kernel_timeline.print_summary(label, p["timeline"])
     print(f"\nPROFILE of {prof['variant']}: {prof['total_ms']:.1f} ms of kernels")
     for name, ms in sorted(prof["by_category"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:28s} {ms:7.1f} ms  {100 * ms / prof['total_ms']:5.1f}%")

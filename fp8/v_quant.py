@@ -9,7 +9,11 @@ concatenation + bias + cast kernel (1.5 ms): about 1 TB/s. Here two kernels read
 1. :func:`_v_amax_kernel`: each program runs over ``ROWS`` tokens of one head group and folds its max into
    one float32 (``tl.atomic_max``; a few hundred atomics per call);
 2. :func:`_v_cast_kernel`: one program per (token, head group) adds the bias, scales by ``448 / amax`` and
-   writes the joint (B, S_img + S_txt, H, Dh) e4m3 sequence, contiguous.
+   writes the joint (B, S_img + S_txt, H, Dh) e4m3 sequence, contiguous. It also writes the scalars that
+   follow from the max, so that no tiny kernel computes them between the launches of a block: the descale
+   ``amax / 448`` (as torch divides by a scalar on CUDA: times the float32 reciprocal of 448), its reciprocal
+   (cuDNN's output scale, IEEE division), and that descale once per token as the row-wise scales of the image
+   and text output projections, which take the e4m3 attention output as is.
 
 Numerics: those of the block's torch path, ``cudnn_fp8.quantize_per_tensor(torch.cat([v_img + b_img,
 v_txt + b_txt], 1))``: the bias added in bf16, amax of the bf16 values (clamped to >= 1e-12), ``v * (448 /
@@ -22,12 +26,15 @@ Limits: CUDA tensors, bf16 inputs whose last dim is contiguous, H divisible by a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .qk_norm_quant import _head_group, qk_norm_quant_problem, stream_biases
 from .quant import E4M3_MAX, FP8_DTYPE
 
-__all__ = ["AMAX_FLOOR", "OP_NAME", "joint_v_quantize", "reference_joint_v_quantize", "v_quant_problem"]
+__all__ = ["AMAX_FLOOR", "OP_NAME", "JointV", "joint_v_quantize", "joint_v_quantize_scales",
+           "reference_joint_v_quantize", "v_quant_problem"]
 
 OP_NAME = "qwen_edit_hopper::joint_v_quantize"
 
@@ -66,10 +73,24 @@ def reference_joint_v_quantize(v_img: torch.Tensor, v_txt: torch.Tensor, b_img: 
     return quantize_per_tensor(torch.cat([_with_bias(v_img, b_img), _with_bias(v_txt, b_txt)], dim=1))
 
 
+class JointV(NamedTuple):
+    """:func:`joint_v_quantize_scales`' result. v8: (B, S_img + S_txt, H, Dh) float8_e4m3fn, contiguous;
+    descale: (1, 1, 1, 1) float32 = amax / 448; scale_o: (1, 1, 1, 1) float32 = 1 / descale (cuDNN's output
+    scale); image_rows: (B * S_img, 1) and text_rows: (B * S_txt, 1) float32, every entry = descale (the
+    row-wise scales of the output projections' e4m3 inputs)."""
+
+    v8: torch.Tensor
+    descale: torch.Tensor
+    scale_o: torch.Tensor
+    image_rows: torch.Tensor
+    text_rows: torch.Tensor
+
+
 if triton is not None:
     from .attention.triton_fp8 import _to_e4m3, interpreter_active
 
     _E4M3_MAX = tl.constexpr(E4M3_MAX)
+    _INV_E4M3_MAX = tl.constexpr(1.0 / E4M3_MAX)
     _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
     @triton.jit
@@ -103,25 +124,42 @@ if triton is not None:
         tl.atomic_max(amax_ptr, tl.max(tl.max(peak, axis=1), axis=0))
 
     @triton.jit
-    def _v_cast_kernel(img_ptr, txt_ptr, b_img_ptr, b_txt_ptr, amax_ptr, out_ptr, s_img, s_joint, heads, sib, sis,
-                       sih, stb, sts, sth, HAS_BIAS: tl.constexpr, HG: tl.constexpr, HEAD_DIM: tl.constexpr,  # noqa: N803
+    def _v_cast_kernel(img_ptr, txt_ptr, b_img_ptr, b_txt_ptr, amax_ptr, out_ptr, descale_ptr, scale_o_ptr,
+                       img_rows_ptr, txt_rows_ptr, s_img, s_joint, heads, sib, sis, sih, stb, sts, sth,
+                       HAS_BIAS: tl.constexpr, HG: tl.constexpr, HEAD_DIM: tl.constexpr,  # noqa: N803
                        INTERPRET: tl.constexpr):  # noqa: N803
         row = tl.program_id(0).to(tl.int64)
-        hs = tl.program_id(1) * HG + tl.arange(0, HG)
+        group = tl.program_id(1)
+        hs = group * HG + tl.arange(0, HG)
         dims = tl.arange(0, HEAD_DIM)
-        x = _load_token(img_ptr, txt_ptr, b_img_ptr, b_txt_ptr, row % s_joint, row // s_joint, s_img, sib, sis, sih,
-                        stb, sts, sth, hs, dims, HAS_BIAS, HEAD_DIM)
-        inv = tl.math.div_rn(_E4M3_MAX, tl.maximum(tl.load(amax_ptr), _AMAX_FLOOR))
+        b, t = row // s_joint, row % s_joint
+        x = _load_token(img_ptr, txt_ptr, b_img_ptr, b_txt_ptr, t, b, s_img, sib, sis, sih, stb, sts, sth, hs, dims,
+                        HAS_BIAS, HEAD_DIM)  # fmt: skip
+        amax = tl.maximum(tl.load(amax_ptr), _AMAX_FLOOR)
+        inv = tl.math.div_rn(_E4M3_MAX, amax)
         q = tl.clamp(x * inv, -_E4M3_MAX, _E4M3_MAX)
         tl.store(out_ptr + row * heads * HEAD_DIM + hs[:, None] * HEAD_DIM + dims[None, :], _to_e4m3(q, INTERPRET))
+        descale = amax * _INV_E4M3_MAX  # as torch's CUDA division by a scalar: times the fp32 reciprocal
+        if group == 0:  # the output projections' row scales: this token's row of the image or the text stream
+            if t < s_img:
+                tl.store(img_rows_ptr + b * s_img + t, descale)
+            else:
+                tl.store(txt_rows_ptr + b * (s_joint - s_img) + (t - s_img), descale)
+            if row == 0:
+                tl.store(descale_ptr, descale)
+                tl.store(scale_o_ptr, tl.math.div_rn(1.0, descale))
 
     @triton_op(OP_NAME, mutates_args={})
     def _joint_v_quantize_op(v_img: torch.Tensor, v_txt: torch.Tensor, b_img: torch.Tensor | None,
-                             b_txt: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                             b_txt: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor, torch.Tensor]:
         b, si, h, d = v_img.shape
         sj = si + v_txt.shape[1]
+        f32 = {"dtype": torch.float32, "device": v_img.device}
         out = torch.empty((b, sj, h, d), dtype=FP8_DTYPE, device=v_img.device)
-        amax = torch.zeros(1, dtype=torch.float32, device=v_img.device)
+        amax = torch.zeros(1, **f32)
+        descale, scale_o = torch.empty((1, 1, 1, 1), **f32), torch.empty((1, 1, 1, 1), **f32)
+        img_rows, txt_rows = torch.empty((b * si, 1), **f32), torch.empty((b * (sj - si), 1), **f32)
         group = _head_group(h)
         has_bias = b_img is not None
         strides = (v_img.stride(0), v_img.stride(1), v_img.stride(2), v_txt.stride(0), v_txt.stride(1),
@@ -133,10 +171,10 @@ if triton is not None:
             num_warps=4,
         )  # fmt: skip
         wrap_triton(_v_cast_kernel)[(b * sj, h // group)](
-            v_img, v_txt, *biases, amax, out, si, sj, h, *strides, HAS_BIAS=has_bias, HG=group, HEAD_DIM=d,
-            INTERPRET=interpreter_active(), num_warps=4,
+            v_img, v_txt, *biases, amax, out, descale, scale_o, img_rows, txt_rows, si, sj, h, *strides,
+            HAS_BIAS=has_bias, HG=group, HEAD_DIM=d, INTERPRET=interpreter_active(), num_warps=4,
         )  # fmt: skip
-        return out, amax
+        return out, amax, descale, scale_o, img_rows, txt_rows
 
 
 def joint_v_quantize(v_img: torch.Tensor, v_txt: torch.Tensor, b_img: torch.Tensor | None = None,
@@ -148,6 +186,14 @@ def joint_v_quantize(v_img: torch.Tensor, v_txt: torch.Tensor, b_img: torch.Tens
     H, Dh) float8_e4m3fn contiguous, descale (1, 1, 1, 1) float32 = amax / 448). Raises ValueError with the
     reason where the kernels cannot run.
     """
+    result = joint_v_quantize_scales(v_img, v_txt, b_img, b_txt)
+    return result.v8, result.descale
+
+
+def joint_v_quantize_scales(v_img: torch.Tensor, v_txt: torch.Tensor, b_img: torch.Tensor | None = None,
+                            b_txt: torch.Tensor | None = None) -> JointV:
+    """:func:`joint_v_quantize` with the scalars the block needs next, all written by the cast kernel
+    (:class:`JointV`). Same inputs and checks."""
     b, _, h, d = v_img.shape
     problem = v_quant_problem(v_img.device, d)
     if problem is not None:
@@ -157,5 +203,6 @@ def joint_v_quantize(v_img: torch.Tensor, v_txt: torch.Tensor, b_img: torch.Tens
         raise ValueError(f"joint_v_quantize takes bf16 (B, S, H, Dh) inputs with a contiguous last dim and equal B, H, "
                          f"Dh, got {v_img.dtype} {tuple(v_img.shape)} strides {v_img.stride()} and {v_txt.dtype} "
                          f"{tuple(v_txt.shape)} strides {v_txt.stride()}")
-    v8, amax = _joint_v_quantize_op(v_img, v_txt, *stream_biases(b_img, b_txt, v_img))
-    return v8, (amax.clamp_min(AMAX_FLOOR) / E4M3_MAX).reshape(1, 1, 1, 1)
+    v8, _, descale, scale_o, img_rows, txt_rows = _joint_v_quantize_op(v_img, v_txt,
+                                                                      *stream_biases(b_img, b_txt, v_img))
+    return JointV(v8, descale, scale_o, img_rows, txt_rows)

@@ -336,18 +336,20 @@ def _define_cudnn_fp8_op():
         descale_k: torch.Tensor,
         descale_v: torch.Tensor,
         seq_len_kv: torch.Tensor,
+        scale_o: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``seq_len_kv``: (B,) int32 keys per sample (cuDNN's padding mask), or empty for no padding."""
+        """``seq_len_kv``: (B,) int32 keys per sample (cuDNN's padding mask), or empty for no padding;
+        ``scale_o``: 1 / descale_v (1, 1, 1, 1) float32, or None to compute it here."""
         from .cudnn_fp8 import run_kernel
 
         ok, reason = check_backend("cudnn_fp8", q8.device)
         if not ok:
             raise AttentionUnavailableError(f"attention backend 'cudnn_fp8' cannot run: {reason}")
         lengths = seq_len_kv if seq_len_kv.numel() else None
-        return run_kernel(q8, k8, v8, descale_q, descale_k, descale_v, lengths)
+        return run_kernel(q8, k8, v8, descale_q, descale_k, descale_v, lengths, scale_o)
 
     @cudnn_fp8_attention_op.register_fake
-    def _(q8, k8, v8, descale_q, descale_k, descale_v, seq_len_kv):
+    def _(q8, k8, v8, descale_q, descale_k, descale_v, seq_len_kv, scale_o=None):
         b, h, s, d = q8.shape
         return q8.new_empty((b, s, h, d))
 

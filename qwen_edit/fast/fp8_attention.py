@@ -33,10 +33,11 @@ from ...fp8.attention.cudnn_fp8 import (
     rms_norm_bound,
 )
 from ...fp8.qk_norm_quant import qk_norm_quant_problem, qk_norm_rope_quantize
-from ...fp8.v_quant import joint_v_quantize, reference_joint_v_quantize
+from ...fp8.v_quant import joint_v_quantize_scales, reference_joint_v_quantize
 from .prequant import Prequantized
 
-__all__ = ["FUSED_QK_QUANT", "FUSED_V_QUANT", "Fp8AttentionOutput", "cudnn_fp8_joint_attention", "split_output"]
+__all__ = ["FUSED_QK_QUANT", "FUSED_V_QUANT", "V_KERNEL_SCALARS", "Fp8AttentionOutput", "cudnn_fp8_joint_attention",
+           "split_output"]
 
 FUSED_QK_QUANT = os.environ.get("QWEN_EDIT_FUSED_QK_QUANT", "1") != "0"
 """QK RMSNorm + RoPE + e4m3 cast in one Triton kernel per q / k (:mod:`...fp8.qk_norm_quant`) where it can
@@ -47,11 +48,20 @@ FUSED_V_QUANT = os.environ.get("QWEN_EDIT_FUSED_V_QUANT", "1") != "0"
 can run; ``QWEN_EDIT_FUSED_V_QUANT=0`` leaves it to Inductor (the benchmark times both)."""
 
 
-class Fp8AttentionOutput:
-    """e4m3 attention output (B, S, H * Dh) and its float32 descale (1, 1): value = out8.float() * descale."""
+V_KERNEL_SCALARS = True
+"""With the fused v kernels: take 1 / descale (cuDNN's output scale) and the output projections' row scales from
+the v cast kernel (:func:`...fp8.v_quant.joint_v_quantize_scales`) instead of a reciprocal kernel and two
+expansions per block. A module switch so that ``bench/forward_ab_bench.py --scalars`` times both."""
 
-    def __init__(self, out8: torch.Tensor, descale: torch.Tensor):
-        self.out8, self.descale = out8, descale
+
+class Fp8AttentionOutput:
+    """e4m3 attention output (B, S, H * Dh) and its float32 descale (1, 1): value = out8.float() * descale.
+    ``row_scales``: (image rows (B * S_img, 1), text rows (B * S_txt, 1)) float32 tensors filled with the
+    descale, when the v kernel wrote them; otherwise :func:`split_output` expands the descale."""
+
+    def __init__(self, out8: torch.Tensor, descale: torch.Tensor,
+                 row_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.out8, self.descale, self.row_scales = out8, descale, row_scales
 
 
 def _joint_bound(attn: torch.nn.Module, norms: tuple[str, str], head_dim: int, device: torch.device) -> torch.Tensor:
@@ -114,8 +124,12 @@ def cudnn_fp8_joint_attention(
     fused = FUSED_QK_QUANT and kernels_run
     q8, dq = _norm_rope_quantize(attn, q_parts, ("norm_q", "norm_added_q"), cos, sin, fused, q_biases)
     k8, dk = _norm_rope_quantize(attn, k_parts, ("norm_k", "norm_added_k"), cos, sin, fused, k_biases)
-    if FUSED_V_QUANT and kernels_run:
-        v8, dv = joint_v_quantize(*v_parts, *v_biases)
+    scale_o = row_scales = None
+    if FUSED_V_QUANT and kernels_run:  # the cast kernel also writes 1 / descale and the output rows' scales
+        v8, dv, scale_o, *rows = joint_v_quantize_scales(*v_parts, *v_biases)
+        row_scales = (rows[0], rows[1])
+        if not V_KERNEL_SCALARS:
+            scale_o = row_scales = None
     else:
         v8, dv = reference_joint_v_quantize(*v_parts, *v_biases)
     q8, k8, v8 = q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2)
@@ -124,9 +138,9 @@ def cudnn_fp8_joint_attention(
         # device fills, not torch.tensor(list): no host-to-device copy, so a CUDA graph can capture it
         lengths = torch.cat([torch.full((1,), image_tokens + c.shape[0], dtype=torch.int32, device=v_img.device)
                              for c in txt_lens])  # fmt: skip
-    out8 = attention_quantized(q8, k8, v8, dq, dk, dv, emulate, lengths)
+    out8 = attention_quantized(q8, k8, v8, dq, dk, dv, emulate, lengths, scale_o)
     if fp8_output:
-        return Fp8AttentionOutput(out8, dv.reshape(1, 1))
+        return Fp8AttentionOutput(out8, dv.reshape(1, 1), row_scales)
     return (out8.float() * dv.reshape(1, 1)).to(v_img.dtype)
 
 
@@ -142,8 +156,8 @@ def split_output(out: torch.Tensor | Fp8AttentionOutput, image_tokens: int
     o8 = out.out8
     b, _, width = o8.shape
     parts = []
-    for rows in (o8[:, :image_tokens], o8[:, image_tokens:]):
+    for i, rows in enumerate((o8[:, :image_tokens], o8[:, image_tokens:])):
         n = rows.shape[1]
-        scale = out.descale.expand(b * n, 1).contiguous()
+        scale = out.descale.expand(b * n, 1).contiguous() if out.row_scales is None else out.row_scales[i]
         parts.append(Prequantized(rows.reshape(b * n, width), scale, b, n))
     return parts[0], parts[1]

@@ -101,6 +101,16 @@ def test_split_output_hands_fp8_rows_to_the_output_projections():
     assert a.data_ptr() == plain.data_ptr() and t.shape == (b, s - si, width)
 
 
+def test_split_output_takes_the_row_scales_the_v_kernel_wrote():
+    """With row scales from fp8.v_quant, the output projections get those tensors, not a fresh expansion."""
+    b, s, width, si = 2, 10, 32, 6
+    out8 = (torch.randn(b, s, width) * 100).to(torch.float8_e4m3fn)
+    rows = torch.full((b * si, 1), 0.5), torch.full((b * (s - si), 1), 0.5)
+    img, txt = split_output(Fp8AttentionOutput(out8, torch.tensor([[0.5]]), rows), si)
+    assert img.scale is rows[0] and txt.scale is rows[1]
+    assert img.x8.shape == (b * si, width) and txt.x8.shape == (b * (s - si), width)
+
+
 def test_block_path_with_the_mirror_batch1_and_batch2():
     """fast_model_fn with cudnn_fp8_emulated: the block's static q/k scales and v's per-tensor scale."""
     dit = build_dit(torch.bfloat16)

@@ -57,13 +57,20 @@ for b, si, st, h, d, with_bias in ((1, 70, 3, 8, 16, False), (2, 37, 4, 12, 32, 
     v_txt = (torch.randn(b, st, h, d, generator=g) * 3).bfloat16()
     b_img = (torch.randn(h, d, generator=g) * 2).bfloat16() if with_bias else None
     b_txt = (torch.randn(h, d, generator=g) * 2).bfloat16() if with_bias else None
-    out, amax = vq._joint_v_quantize_op(v_img, v_txt, b_img, b_txt)
+    out, amax, descale, scale_o, img_rows, txt_rows = vq._joint_v_quantize_op(v_img, v_txt, b_img, b_txt)
     joint = torch.cat([v_img.float() if b_img is None else truncate_bf16(v_img.float() + b_img.float()),
                        v_txt.float() if b_txt is None else truncate_bf16(v_txt.float() + b_txt.float())], dim=1)
     want_amax = joint.abs().max()
+    want_descale = want_amax.clamp_min(1e-12) * torch.tensor(1.0 / 448.0, dtype=torch.float32)
     want8 = (joint * (448.0 / want_amax)).clamp(-448, 448).to(torch.float8_e4m3fn)
     rows.append(dict(case=[b, si, st, h, d, with_bias], shape=list(out.shape), contiguous=out.is_contiguous(),
                      amax=float(amax.reshape(())), want_amax=float(want_amax),
+                     # torch on CUDA divides by a scalar as a multiplication by its float32 reciprocal
+                     descale=float(descale.reshape(())), want_descale=float(want_descale),
+                     scale_o=float(scale_o.reshape(())), want_scale_o=float(want_descale.reciprocal()),
+                     row_shapes=[list(img_rows.shape), list(txt_rows.shape)],
+                     rows_all_descale=bool((img_rows == descale.reshape(())).all() and
+                                           (txt_rows == descale.reshape(())).all()),
                      same_codes=float((out.float() == want8.float()).float().mean())))
 print(json.dumps(rows))
 """
@@ -80,6 +87,9 @@ def test_kernels_match_the_reference_under_the_interpreter():
         assert row["amax"] == row["want_amax"], row
         # a wrong stream, token or head order gives mismatches everywhere
         assert row["same_codes"] == 1.0, row
+        # the scalars the cast kernel writes for cuDNN and the output projections: IEEE divisions, as torch does
+        assert row["descale"] == row["want_descale"] and row["scale_o"] == row["want_scale_o"], row
+        assert row["row_shapes"] == [[b * si, 1], [b * st, 1]] and row["rows_all_descale"], row
 
 
 def test_stream_biases_fill_a_missing_one_with_zeros():
