@@ -126,10 +126,10 @@ def cudnn_fp8_joint_attention(
     k8, dk = _norm_rope_quantize(attn, k_parts, ("norm_k", "norm_added_k"), cos, sin, fused, k_biases)
     scale_o = row_scales = None
     if FUSED_V_QUANT and kernels_run:  # the cast kernel also writes 1 / descale and the output rows' scales
-        v8, dv, scale_o, *rows = joint_v_quantize_scales(*v_parts, *v_biases)
-        row_scales = (rows[0], rows[1])
-        if not V_KERNEL_SCALARS:
-            scale_o = row_scales = None
+        v = joint_v_quantize_scales(*v_parts, *v_biases)
+        v8, dv = v.v8, v.descale
+        if V_KERNEL_SCALARS:
+            scale_o, row_scales = v.scale_o, (v.image_rows, v.text_rows)
     else:
         v8, dv = reference_joint_v_quantize(*v_parts, *v_biases)
     q8, k8, v8 = q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2)
