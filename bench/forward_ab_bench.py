@@ -13,6 +13,8 @@ and power drift hit all variants alike. Variants:
 * with ``--modulation``, also shared-input modulation (:mod:`qwen_edit.fast.modulation`, off by default);
 * with ``--scalars`` instead: 1 / descale (cuDNN's output scale) and the output projections' row scales
   written by the v cast kernel (``fp8_attention.V_KERNEL_SCALARS``, shipped) or by three small kernels per block;
+* with ``--gemm`` instead: the large GEMMs through ``torch._scaled_mm`` or through the pack's workspace-free
+  cuBLASLt call (``ScaledMMLinear.gemm_kernel``, :mod:`fp8.cublaslt_gemm`);
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
   (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
   timed a cross-block residual update, since removed: docs/experiments/forward.md.)
@@ -63,6 +65,10 @@ SCALAR_VARIANTS = (  # all with small-M GEMMs and CUDA graphs
     ("attention scalars by small kernels", False, True, True, SHIPPED, False),
     ("attention scalars from the v kernel", False, True, True, SHIPPED, True),
 )
+GEMM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 7th field: ScaledMMLinear.gemm_kernel
+    ("torch._scaled_mm GEMMs", False, True, True, SHIPPED, SHIPPED, "torch"),
+    ("workspace-free cuBLASLt GEMMs", False, True, True, SHIPPED, SHIPPED, "cublaslt"),
+)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -78,13 +84,16 @@ def main() -> int:
     parser.add_argument("--scalars", action="store_true",
                         help="instead: attention scalars (1 / descale, output row scales) from the v cast kernel or "
                              "from small kernels, with small-M GEMMs and CUDA graphs")  # fmt: skip
+    parser.add_argument("--gemm", action="store_true",
+                        help="instead: torch._scaled_mm against the workspace-free cuBLASLt GEMM")
     parser.add_argument("--norm", action="store_true",
                         help="instead: the LayerNorm kernel, one-row or multi-row")
     args = parser.parse_args()
-    variants = (NORM_VARIANTS if args.norm else SCALAR_VARIANTS if args.scalars
+    variants = (NORM_VARIANTS if args.norm else SCALAR_VARIANTS if args.scalars else GEMM_VARIANTS if args.gemm
                 else VARIANTS + (MODULATION_VARIANTS if args.modulation else ()))  # fmt: skip
     load_pack()
     from qwen_edit_hopper.fp8 import norm_quant, small_m_gemm
+    from qwen_edit_hopper.fp8.linear import ScaledMMLinear
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
     from qwen_edit_hopper.qwen_edit.fast import fp8_attention, graphs, modulation
@@ -101,11 +110,19 @@ def main() -> int:
 
     current = [None]
 
-    def runner(fused: bool, graphed: bool, small_m: bool, rows: int | None, scalars: bool | None, batch: int):
+    layers = [m for m in module.modules() if isinstance(m, ScaledMMLinear)]
+    shipped_gemm = layers[0].gemm_kernel
+
+    def runner(fused: bool, graphed: bool, small_m: bool, rows: int | None, scalars: bool | None, *rest):
+        *gemm, batch = rest
+        gemm = shipped_gemm if not gemm or gemm[0] is SHIPPED else gemm[0]
+
         def call():
-            if current[0] != (fused, graphed, small_m, rows, scalars):  # no switch is in a graph's signature
+            if current[0] != (fused, graphed, small_m, rows, scalars, gemm):  # no switch is in a graph's signature
                 graphs.disable_cuda_graphs(module)
-                current[0] = (fused, graphed, small_m, rows, scalars)
+                current[0] = (fused, graphed, small_m, rows, scalars, gemm)
+                for layer in layers:
+                    layer.gemm_kernel = gemm
             modulation.FUSED_MODULATION = fused
             small_m_gemm.ENABLED = small_m
             norm_quant.DEFAULT_ROWS = shipped_rows if rows is SHIPPED else rows
@@ -139,11 +156,16 @@ def main() -> int:
         results["variants"][label].update({"batch1_ms": round(one, 2), "batch2_ms": round(two, 2),
                                            "ratio": round(two / one, 3),
                                            "rounds_batch1": [round(t, 2) for t in times[(label, 1)]]})  # fmt: skip
+    from qwen_edit_hopper.fp8 import cublaslt_gemm
+
+    results["cublaslt_plans"] = [{"key": list(k), "config": p.config, "candidate_us": p.timings_us}
+                                 for k, p in cublaslt_gemm.plans().items()]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "forward_ab.json").write_text(json.dumps(results, indent=1))
     print(f"\n{'variant':48s} {'batch 1 ms':>10s} {'batch 2 ms':>10s} {'b2 / b1':>8s} {'rel. error':>10s}")
     for label, v in results["variants"].items():
         print(f"{label:48s} {v['batch1_ms']:10.2f} {v['batch2_ms']:10.2f} {v['ratio']:8.3f} {v['rel_err']:10.2e}")
+    print(f"cuBLASLt plans made: {len(results['cublaslt_plans'])}")
     return 0
 
 

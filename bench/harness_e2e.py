@@ -242,9 +242,11 @@ VARIANT_SPECS: dict[str, dict[str, Any]] = {
     "fast/fp8-rowwise-eager": {"backend": "scaled_mm_rowwise", "compile": False},
     "fast/fp8-rowwise-compiled": {"backend": "scaled_mm_rowwise", "compile": True},
     "fast/fastest-compiled": {"backend": "scaled_mm_rowwise", "preset": "attn+mlp+mod compute",
-                              "fast_accum": True, "compile": True, "attention": "cudnn_fp8", "cuda_graphs": True},
+                              "fast_accum": True, "gemm_kernel": "cublaslt", "compile": True,
+                              "attention": "cudnn_fp8", "cuda_graphs": True},
     "fast/fastest-nographs-compiled": {"backend": "scaled_mm_rowwise", "preset": "attn+mlp+mod compute",
-                                       "fast_accum": True, "compile": True, "attention": "cudnn_fp8"},
+                                       "fast_accum": True, "gemm_kernel": "cublaslt", "compile": True,
+                                       "attention": "cudnn_fp8"},
     "fast/fp8-tensorwise-compiled": {"backend": "scaled_mm_tensorwise", "compile": True},
     "fast/te-current-compiled": {"backend": "te", "recipe": "current", "compile": True},
     "fast/weight-only-eager": {"backend": "weight_only", "compile": False},
@@ -306,6 +308,8 @@ def plan_for(base_plan, variant: str, compile_choice=None):
             kwargs["preset"] = spec["preset"]
         if spec.get("fast_accum"):
             kwargs["fast_accum"] = True
+        if "gemm_kernel" in spec:
+            kwargs["gemm_kernel"] = spec["gemm_kernel"]
         if spec.get("qkv"):
             import harness_forward
 

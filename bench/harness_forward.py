@@ -346,6 +346,11 @@ FASTEST_PRESET = "attn+mlp+mod compute"
 compute too (faster and, measured, more accurate than fp8 storage), with cuBLASLt fast accumulation."""
 
 
+FASTEST_GEMM_KERNEL = "cublaslt"
+"""The fastest preset's GEMM call (session 11): the pack's workspace-free cuBLASLt call, the same kernel as
+``torch._scaled_mm`` without the memset before each large GEMM (bench/forward_ab_bench.py --gemm)."""
+
+
 FASTEST_ATTENTION = "cudnn_fp8"
 """The fastest preset's attention: cuDNN's FP8 kernel with the block-fused quantization (the shipped
 "fastest" workflow's choice); ``fastest-sdpa-compiled`` is the same model with bf16 SDPA, for the A/B."""
@@ -361,7 +366,8 @@ measures the preset without them."""
 def fastest_fp8():
     from qwen_edit_hopper.fp8 import Fp8Config
 
-    return Fp8Config(backend="scaled_mm_rowwise", preset=FASTEST_PRESET, fast_accum=True)
+    return Fp8Config(backend="scaled_mm_rowwise", preset=FASTEST_PRESET, fast_accum=True,
+                     gemm_kernel=FASTEST_GEMM_KERNEL)
 
 
 def build_fastest(ctx: ForwardContext) -> torch.nn.Module:

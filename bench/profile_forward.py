@@ -114,7 +114,8 @@ def main() -> int:
     inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
     reference = hm.fast_forward(ff, base, inputs)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}
-    fast_accum = Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True)
+    fast_accum = Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True,
+                           gemm_kernel="cublaslt")
     # (label, fp8 config, fused GELU + quantize kernel in the MLP, fused LayerNorm + modulate + quantize kernel,
     # attention backend)
     if args.attention:

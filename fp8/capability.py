@@ -175,7 +175,14 @@ def check_backend(config: Fp8Config | str, device: torch.device | str | None = N
     if cfg.emulate:
         return Capability(True, f"emulated {granularity} fp8: fp32 dequantize-and-matmul reference on any device "
                                 "(slow; for tests and numerics)")
-    return scaled_mm_capability(granularity, device)
+    capability = scaled_mm_capability(granularity, device)
+    if capability.ok and cfg.gemm_kernel == "cublaslt":
+        from .cublaslt_gemm import cublaslt_problem
+
+        problem = cublaslt_problem(None if device is None else torch.device(device))
+        if problem:
+            return Capability(False, f"gemm_kernel cublaslt {problem}; choose gemm_kernel torch")
+    return capability
 
 
 def require_backend(config: Fp8Config | str, device: torch.device | str | None = None) -> Capability:

@@ -15,6 +15,10 @@ Backends (see :mod:`.linear` and :mod:`.te_backend`):
 * ``weight_only``: fp8 weight storage with per-channel scales, bf16 compute.
   Saves memory, not time; runs on any device.
 
+``gemm_kernel`` (``scaled_mm_rowwise`` only) picks who runs the GEMM: ``torch``
+(``torch._scaled_mm``) or ``cublaslt`` (the pack's workspace-free cuBLASLt call,
+:mod:`.cublaslt_gemm`: the same cuBLASLt kernel without the memset before it).
+
 ``emulate=True`` (scaled-mm backends only) runs the same quantization through
 a dequantize-and-matmul fp32 reference instead of ``torch._scaled_mm``: any
 device, slow, for tests and numerics studies. It is never chosen implicitly.
@@ -30,6 +34,7 @@ __all__ = [
     "AMAX_ALGOS",
     "BACKENDS",
     "FP8_FORMATS",
+    "GEMM_KERNELS",
     "SCALED_MM_BACKENDS",
     "STORAGE_LAYER_MODES",
     "TE_RECIPES",
@@ -43,6 +48,7 @@ TE_RECIPES = ("current", "delayed", "block", "mxfp8", "nvfp4")
 FP8_FORMATS = ("E4M3", "HYBRID")
 AMAX_ALGOS = ("max", "most_recent")
 STORAGE_LAYER_MODES = ("fp8", "bf16")
+GEMM_KERNELS = ("torch", "cublaslt")
 
 
 def _choice(field_name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -133,6 +139,10 @@ class Fp8Config:
         Scaled-mm backends only: ``torch._scaled_mm(use_fast_accum=True)``, cuBLASLt's
         fp8 fast accumulation on Hopper (what torchao's float8 uses by default): faster
         GEMMs, accumulation promoted to fp32 less often.
+    gemm_kernel:
+        ``scaled_mm_rowwise`` only: ``torch`` (``torch._scaled_mm``) or ``cublaslt`` (the pack's
+        workspace-free cuBLASLt call; compute capability >= 9.0, cuBLASLt >= 12.9; bit-identical
+        output, no memset before each large GEMM).
     """
 
     backend: str = "scaled_mm_rowwise"
@@ -142,6 +152,7 @@ class Fp8Config:
     force: bool = False
     emulate: bool = False
     fast_accum: bool = False
+    gemm_kernel: str = "torch"
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, BACKENDS)
@@ -155,6 +166,10 @@ class Fp8Config:
         _flag("force", self.force)
         _flag("emulate", self.emulate)
         _flag("fast_accum", self.fast_accum)
+        _choice("gemm_kernel", self.gemm_kernel, GEMM_KERNELS)
+        if self.gemm_kernel != "torch" and self.backend != "scaled_mm_rowwise":
+            raise ValueError(f"gemm_kernel={self.gemm_kernel!r} is not allowed with backend={self.backend!r}; "
+                             "allowed backend: scaled_mm_rowwise (or gemm_kernel='torch')")
         if self.emulate and self.backend not in SCALED_MM_BACKENDS:
             raise ValueError(
                 f"emulate=True is not allowed with backend={self.backend!r}; allowed backends: "
@@ -177,4 +192,6 @@ class Fp8Config:
             parts.append("force")
         if self.fast_accum and self.backend in SCALED_MM_BACKENDS:
             parts.append("fast accumulation")
+        if self.gemm_kernel != "torch":
+            parts.append(f"GEMM {self.gemm_kernel}" + (" (not used: emulated)" if self.emulate else ""))
         return ", ".join(parts)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from .cublaslt_gemm import cublaslt_rowwise_mm
 from .quant import (
     FP8_DTYPE,
     dequantize,
@@ -34,11 +35,15 @@ from .quant import (
 )
 from .small_m_gemm import fp8_gemm_small_m, small_m_config
 
-__all__ = ["GRANULARITIES", "Fp8Linear", "ScaledMMLinear", "WeightOnlyLinear", "scaled_mm_shape_problem"]
+__all__ = ["GEMM_KERNELS", "GRANULARITIES", "Fp8Linear", "ScaledMMLinear", "WeightOnlyLinear",
+           "scaled_mm_shape_problem"]
 
 logger = logging.getLogger(__name__)
 
 GRANULARITIES = ("rowwise", "tensorwise")
+GEMM_KERNELS = ("torch", "cublaslt")
+"""``torch``: ``torch._scaled_mm``; ``cublaslt``: the pack's workspace-free cuBLASLt call (:mod:`.cublaslt_gemm`,
+row-wise only)."""
 SCALED_MM_ALIGN = 16
 
 
@@ -144,9 +149,14 @@ class ScaledMMLinear(Fp8Linear):
     """
 
     def __init__(self, weight_fp8, weight_scale, bias, granularity: str, emulate: bool = False, layer_name: str = "",
-                 fast_accum: bool = False):
+                 fast_accum: bool = False, gemm_kernel: str = "torch"):
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity={granularity!r} is not allowed; allowed values: {', '.join(GRANULARITIES)}")
+        if gemm_kernel not in GEMM_KERNELS:
+            raise ValueError(f"gemm_kernel={gemm_kernel!r} is not allowed; allowed values: {', '.join(GEMM_KERNELS)}")
+        if gemm_kernel == "cublaslt" and granularity != "rowwise":
+            raise ValueError(f"{layer_name or 'layer'}: gemm_kernel='cublaslt' takes row-wise scales only; "
+                             f"use gemm_kernel='torch' with granularity={granularity!r}")
         super().__init__(weight_fp8, weight_scale, bias, layer_name)
         problem = scaled_mm_shape_problem(self.in_features, self.out_features)
         if problem is not None:
@@ -154,14 +164,15 @@ class ScaledMMLinear(Fp8Linear):
         self.granularity = granularity
         self.emulate = bool(emulate)
         self.fast_accum = bool(fast_accum)
+        self.gemm_kernel = gemm_kernel
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, granularity: str = "rowwise", emulate: bool = False,
-                    layer_name: str = "", fast_accum: bool = False) -> ScaledMMLinear:
+                    layer_name: str = "", fast_accum: bool = False, gemm_kernel: str = "torch") -> ScaledMMLinear:
         """Quantize ``linear.weight`` (per channel for rowwise, per tensor for tensorwise)."""
         w = linear.weight.detach()
         w8, ws = quantize_rowwise(w) if granularity == "rowwise" else quantize_tensorwise(w)
-        return cls(w8, ws, linear.bias, granularity, emulate, layer_name, fast_accum)
+        return cls(w8, ws, linear.bias, granularity, emulate, layer_name, fast_accum, gemm_kernel)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         return self.linear_quantized(*self.quantize_input(x2d), x2d.dtype)
@@ -192,10 +203,16 @@ class ScaledMMLinear(Fp8Linear):
         config = small_m_config(x8, self.weight, x_scale, out_dtype, self.fast_accum)
         if config is not None:  # few rows (the text stream): a Triton kernel beats cuBLASLt's pick
             return fp8_gemm_small_m(x8, x_scale, self.weight, self.weight_scale, config)
+        if self.gemm_kernel == "cublaslt":  # workspace-free, per-shape timed algorithm (no memset per call)
+            if out_dtype != torch.bfloat16:
+                raise TypeError(f"{self.layer_name or 'ScaledMMLinear'}: gemm_kernel='cublaslt' writes bf16 only, "
+                                f"got out_dtype={out_dtype}")
+            return cublaslt_rowwise_mm(x8, x_scale, self.weight, self.weight_scale, self.fast_accum)
         return scaled_mm(x8, x_scale, self.weight, self.weight_scale, out_dtype, self.fast_accum)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", granularity={self.granularity}" + (", emulate=True" if self.emulate else "")
+        return (super().extra_repr() + f", granularity={self.granularity}" + (", emulate=True" if self.emulate else "")
+                + (f", gemm_kernel={self.gemm_kernel}" if self.gemm_kernel != "torch" else ""))
 
 
 class WeightOnlyLinear(Fp8Linear):

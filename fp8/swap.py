@@ -238,7 +238,8 @@ def _convert(layer: nn.Linear, decision: LayerDecision, config: Fp8Config, recip
     if config.backend == "te":
         return TeLinear(layer, config.te_recipe, recipe, decision.name)
     granularity = "rowwise" if config.backend == "scaled_mm_rowwise" else "tensorwise"
-    return ScaledMMLinear.from_linear(layer, granularity, config.emulate, decision.name, config.fast_accum)
+    return ScaledMMLinear.from_linear(layer, granularity, config.emulate, decision.name, config.fast_accum,
+                                      config.gemm_kernel)
 
 
 def _notes(config: Fp8Config, capability_reason: str) -> tuple[str, ...]:
