@@ -13,6 +13,8 @@ and power drift hit all variants alike. Variants:
 * with ``--modulation``, also shared-input modulation (:mod:`qwen_edit.fast.modulation`, off by default);
 * with ``--scalars`` instead: 1 / descale (cuDNN's output scale) and the output projections' row scales
   written by the v cast kernel (``fp8_attention.V_KERNEL_SCALARS``, shipped) or by three small kernels per block;
+* with ``--qk-bound`` instead: the q / k bounds by two small reductions per block, or inside the QK kernel
+  (``fp8_attention.QK_KERNEL_BOUND``);
 * with ``--gemm`` instead: the large GEMMs through ``torch._scaled_mm`` or through the pack's workspace-free
   cuBLASLt call (``ScaledMMLinear.gemm_kernel``, :mod:`fp8.cublaslt_gemm`);
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
@@ -65,6 +67,10 @@ SCALAR_VARIANTS = (  # all with small-M GEMMs and CUDA graphs
     ("attention scalars by small kernels", False, True, True, SHIPPED, False),
     ("attention scalars from the v kernel", False, True, True, SHIPPED, True),
 )
+QK_BOUND_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 8th field: fp8_attention.QK_KERNEL_BOUND
+    ("q/k bounds by two reductions per block", False, True, True, SHIPPED, SHIPPED, SHIPPED, False),
+    ("q/k bounds inside the QK kernel", False, True, True, SHIPPED, SHIPPED, SHIPPED, True),
+)
 GEMM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 7th field: ScaledMMLinear.gemm_kernel
     ("torch._scaled_mm GEMMs", False, True, True, SHIPPED, SHIPPED, "torch"),
     ("workspace-free cuBLASLt GEMMs", False, True, True, SHIPPED, SHIPPED, "cublaslt"),
@@ -84,12 +90,15 @@ def main() -> int:
     parser.add_argument("--scalars", action="store_true",
                         help="instead: attention scalars (1 / descale, output row scales) from the v cast kernel or "
                              "from small kernels, with small-M GEMMs and CUDA graphs")  # fmt: skip
+    parser.add_argument("--qk-bound", action="store_true",
+                        help="instead: the q / k bounds by small reductions or inside the QK kernel")
     parser.add_argument("--gemm", action="store_true",
                         help="instead: torch._scaled_mm against the workspace-free cuBLASLt GEMM")
     parser.add_argument("--norm", action="store_true",
                         help="instead: the LayerNorm kernel, one-row or multi-row")
     args = parser.parse_args()
     variants = (NORM_VARIANTS if args.norm else SCALAR_VARIANTS if args.scalars else GEMM_VARIANTS if args.gemm
+                else QK_BOUND_VARIANTS if args.qk_bound
                 else VARIANTS + (MODULATION_VARIANTS if args.modulation else ()))  # fmt: skip
     load_pack()
     from qwen_edit_hopper.fp8 import norm_quant, small_m_gemm
@@ -99,6 +108,7 @@ def main() -> int:
     from qwen_edit_hopper.qwen_edit.fast import fp8_attention, graphs, modulation
 
     shipped_rows, shipped_scalars = norm_quant.DEFAULT_ROWS, fp8_attention.V_KERNEL_SCALARS
+    shipped_qk_bound = fp8_attention.QK_KERNEL_BOUND
 
     device = torch.device("cuda")
     base = hm.build_dit(hm.FULL, device)
@@ -114,13 +124,15 @@ def main() -> int:
     shipped_gemm = layers[0].gemm_kernel
 
     def runner(fused: bool, graphed: bool, small_m: bool, rows: int | None, scalars: bool | None, *rest):
-        *gemm, batch = rest
-        gemm = shipped_gemm if not gemm or gemm[0] is SHIPPED else gemm[0]
+        *extra, batch = rest
+        gemm = shipped_gemm if not extra or extra[0] is SHIPPED else extra[0]
+        qk_bound = shipped_qk_bound if len(extra) < 2 or extra[1] is SHIPPED else extra[1]
 
         def call():
-            if current[0] != (fused, graphed, small_m, rows, scalars, gemm):  # no switch is in a graph's signature
+            if current[0] != (fused, graphed, small_m, rows, scalars, gemm, qk_bound):  # not in a graph's signature
                 graphs.disable_cuda_graphs(module)
-                current[0] = (fused, graphed, small_m, rows, scalars, gemm)
+                current[0] = (fused, graphed, small_m, rows, scalars, gemm, qk_bound)
+                fp8_attention.QK_KERNEL_BOUND = qk_bound
                 for layer in layers:
                     layer.gemm_kernel = gemm
             modulation.FUSED_MODULATION = fused

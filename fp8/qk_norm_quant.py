@@ -29,6 +29,7 @@ __all__ = [
     "OP_NAME",
     "qk_norm_quant_problem",
     "qk_norm_rope_quantize",
+    "qk_norm_rope_quantize_scaled",
     "reference_qk_norm_rope_quantize",
     "stream_biases",
 ]
@@ -95,12 +96,14 @@ if triton is not None:
     from .attention.triton_fp8 import _to_e4m3, interpreter_active
 
     _E4M3_MAX = tl.constexpr(E4M3_MAX)
+    _INV_E4M3_MAX = tl.constexpr(float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)))
 
     @triton.jit
     def _qk_norm_rope_quant_kernel(img_ptr, txt_ptr, w_img_ptr, w_txt_ptr, b_img_ptr, b_txt_ptr, cos_ptr, sin_ptr,
-                                   bound_ptr, out_ptr, s_img, s_joint, heads, sib, sis, sih, stb, sts, sth, eps_img,
-                                   eps_txt, HAS_BIAS: tl.constexpr, HG: tl.constexpr, HEAD_DIM: tl.constexpr,  # noqa: N803
-                                   INTERPRET: tl.constexpr):  # noqa: N803
+                                   bound_ptr, out_ptr, descale_ptr, s_img, s_joint, heads, sib, sis, sih, stb, sts,
+                                   sth, eps_img, eps_txt, HAS_BIAS: tl.constexpr, HG: tl.constexpr,  # noqa: N803
+                                   HEAD_DIM: tl.constexpr, BOUND_FROM_WEIGHTS: tl.constexpr,  # noqa: N803
+                                   BOUND_FACTOR: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
         row = tl.program_id(0).to(tl.int64)
         group = tl.program_id(1)
         b = row // s_joint
@@ -132,28 +135,46 @@ if triton is not None:
         o_re = (re * c - im * s).to(tl.bfloat16).to(tl.float32)
         o_im = (re * s + im * c).to(tl.bfloat16).to(tl.float32)
         o = tl.reshape(tl.join(o_re, o_im), (HG, HEAD_DIM))
-        inv = _E4M3_MAX / tl.load(bound_ptr)
+        if BOUND_FROM_WEIGHTS:  # rms_norm_bound of both streams' weights: 2 x Dh loads, from L1 / L2
+            w_max = tl.maximum(tl.max(tl.abs(tl.load(w_img_ptr + dims).to(tl.float32)), axis=0),
+                               tl.max(tl.abs(tl.load(w_txt_ptr + dims).to(tl.float32)), axis=0))
+            bound = (w_max * BOUND_FACTOR).to(tl.float32)
+        else:
+            bound = tl.load(bound_ptr).to(tl.float32)
+        inv = _E4M3_MAX / bound
         q = tl.clamp(o * inv, -_E4M3_MAX, _E4M3_MAX)
         out = out_ptr + row * heads * HEAD_DIM + hs[:, None] * HEAD_DIM + dims[None, :]
         tl.store(out, _to_e4m3(q, INTERPRET))
+        if (row == 0) & (group == 0):  # the descale, as torch's CUDA division by a scalar: times fp32(1 / 448)
+            tl.store(descale_ptr, (bound * _INV_E4M3_MAX).to(tl.float32))
 
     @triton_op(OP_NAME, mutates_args={})
     def _qk_norm_rope_quantize_op(x_img: torch.Tensor, x_txt: torch.Tensor, w_img: torch.Tensor,
                                   w_txt: torch.Tensor, b_img: torch.Tensor | None, b_txt: torch.Tensor | None,
                                   eps_img: float, eps_txt: float, cos: torch.Tensor, sin: torch.Tensor,
-                                  bound: torch.Tensor) -> torch.Tensor:
+                                  bound: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         b, si, h, d = x_img.shape
         sj = si + x_txt.shape[1]
         out = torch.empty((b, sj, h, d), dtype=FP8_DTYPE, device=x_img.device)
+        descale = torch.empty((1,), dtype=torch.float32, device=x_img.device)
         group = _head_group(h)
         has_bias = b_img is not None
+        from_weights = bound is None
         wrap_triton(_qk_norm_rope_quant_kernel)[(b * sj, h // group)](
-            x_img, x_txt, w_img, w_txt, b_img if has_bias else w_img, b_txt if has_bias else w_txt, cos, sin, bound,
-            out, si, sj, h, x_img.stride(0), x_img.stride(1), x_img.stride(2), x_txt.stride(0), x_txt.stride(1),
-            x_txt.stride(2), eps_img, eps_txt, HAS_BIAS=has_bias, HG=group, HEAD_DIM=d,
-            INTERPRET=interpreter_active(), num_warps=4,
+            x_img, x_txt, w_img, w_txt, b_img if has_bias else w_img, b_txt if has_bias else w_txt, cos, sin,
+            w_img if from_weights else bound, out, descale, si, sj, h, x_img.stride(0), x_img.stride(1),
+            x_img.stride(2), x_txt.stride(0), x_txt.stride(1), x_txt.stride(2), eps_img, eps_txt,
+            HAS_BIAS=has_bias, HG=group, HEAD_DIM=d, BOUND_FROM_WEIGHTS=from_weights,
+            BOUND_FACTOR=_bound_factor(d), INTERPRET=interpreter_active(), num_warps=4,
         )  # fmt: skip
-        return out
+        return out, descale
+
+
+def _bound_factor(head_dim: int) -> float:
+    """:func:`...attention.cudnn_fp8.rms_norm_bound`'s factor, rounded to float32 as torch multiplies by it."""
+    from .attention.cudnn_fp8 import rms_norm_bound
+
+    return float(torch.tensor(rms_norm_bound(None, head_dim), dtype=torch.float32))
 
 
 def qk_norm_rope_quantize(x_img: torch.Tensor, x_txt: torch.Tensor, w_img: torch.Tensor | None,
@@ -168,6 +189,21 @@ def qk_norm_rope_quantize(x_img: torch.Tensor, x_txt: torch.Tensor, w_img: torch
     in bf16 first), or None. Returns (B, S_img + S_txt, H, Dh) float8_e4m3fn, contiguous, in units of
     ``bound / 448``. Raises ValueError with the reason where the kernel cannot run.
     """
+    return _checked_call(x_img, x_txt, w_img, w_txt, eps_img, eps_txt, cos, sin, bound, b_img, b_txt)[0]
+
+
+def qk_norm_rope_quantize_scaled(x_img: torch.Tensor, x_txt: torch.Tensor, w_img: torch.Tensor | None,
+                                 w_txt: torch.Tensor | None, eps_img: float, eps_txt: float, cos: torch.Tensor,
+                                 sin: torch.Tensor, b_img: torch.Tensor | None = None,
+                                 b_txt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`qk_norm_rope_quantize` with the bound taken from the weights inside the kernel: the larger of
+    both streams' :func:`...attention.cudnn_fp8.rms_norm_bound` (``sqrt(Dh) * 1.02 * max |w|``, of the bf16
+    weights). Returns (x8, descale (1,) float32 = bound * float32(1 / 448)); saves the separate reduction
+    kernels that computed the bound (two per block for q and k)."""
+    return _checked_call(x_img, x_txt, w_img, w_txt, eps_img, eps_txt, cos, sin, None, b_img, b_txt)
+
+
+def _checked_call(x_img, x_txt, w_img, w_txt, eps_img, eps_txt, cos, sin, bound, b_img, b_txt):
     d = x_img.shape[-1]
     problem = qk_norm_quant_problem(x_img.device, d)
     if problem is not None:
@@ -180,5 +216,6 @@ def qk_norm_rope_quantize(x_img: torch.Tensor, x_txt: torch.Tensor, w_img: torch
     return _qk_norm_rope_quantize_op(
         x_img, x_txt, (w_img if w_img is not None else ones).to(x_img.dtype).contiguous(),
         (w_txt if w_txt is not None else ones).to(x_img.dtype).contiguous(), *biases, float(eps_img),
-        float(eps_txt), cos.float().contiguous(), sin.float().contiguous(), bound.float().reshape(1),
+        float(eps_txt), cos.float().contiguous(), sin.float().contiguous(),
+        None if bound is None else bound.float().reshape(1),
     )  # fmt: skip

@@ -32,12 +32,12 @@ from ...fp8.attention.cudnn_fp8 import (
     quantize_with_bound,
     rms_norm_bound,
 )
-from ...fp8.qk_norm_quant import qk_norm_quant_problem, qk_norm_rope_quantize
+from ...fp8.qk_norm_quant import qk_norm_quant_problem, qk_norm_rope_quantize, qk_norm_rope_quantize_scaled
 from ...fp8.v_quant import joint_v_quantize_scales, reference_joint_v_quantize
 from .prequant import Prequantized
 
-__all__ = ["FUSED_QK_QUANT", "FUSED_V_QUANT", "V_KERNEL_SCALARS", "Fp8AttentionOutput", "cudnn_fp8_joint_attention",
-           "split_output"]
+__all__ = ["FUSED_QK_QUANT", "FUSED_V_QUANT", "QK_KERNEL_BOUND", "V_KERNEL_SCALARS", "Fp8AttentionOutput",
+           "cudnn_fp8_joint_attention", "split_output"]
 
 FUSED_QK_QUANT = os.environ.get("QWEN_EDIT_FUSED_QK_QUANT", "1") != "0"
 """QK RMSNorm + RoPE + e4m3 cast in one Triton kernel per q / k (:mod:`...fp8.qk_norm_quant`) where it can
@@ -52,6 +52,11 @@ V_KERNEL_SCALARS = True
 """With the fused v kernels: take 1 / descale (cuDNN's output scale) and the output projections' row scales from
 the v cast kernel (:func:`...fp8.v_quant.joint_v_quantize_scales`) instead of a reciprocal kernel and two
 expansions per block. A module switch so that ``bench/forward_ab_bench.py --scalars`` times both."""
+
+QK_KERNEL_BOUND = True
+"""With the fused q / k kernel: the kernel takes the q and k bounds from the RMSNorm weights itself and writes the
+descale (:func:`...fp8.qk_norm_quant.qk_norm_rope_quantize_scaled`) instead of two reductions per block before it.
+A module switch so that ``bench/forward_ab_bench.py --qk-bound`` times both."""
 
 
 class Fp8AttentionOutput:
@@ -78,8 +83,12 @@ def _norm_rope_quantize(attn: torch.nn.Module, parts: tuple[torch.Tensor, torch.
     from .block import _with_bias, qk_norm_rope  # here, not at import: block imports this module
 
     image, text = parts
-    bound = _joint_bound(attn, norms, image.shape[-1], image.device)
     n_img, n_txt = (getattr(attn, name) for name in norms)
+    if fused and QK_KERNEL_BOUND:
+        x8, descale = qk_norm_rope_quantize_scaled(image, text, n_img.weight, n_txt.weight, n_img.eps, n_txt.eps,
+                                                   cos, sin, *biases)  # fmt: skip
+        return x8, descale.reshape(1, 1, 1, 1)
+    bound = _joint_bound(attn, norms, image.shape[-1], image.device)
     if fused:
         x8 = qk_norm_rope_quantize(image, text, n_img.weight, n_txt.weight, n_img.eps, n_txt.eps, cos, sin, bound,
                                    *biases)  # fmt: skip

@@ -339,6 +339,16 @@ def test_fused_qk_norm_rope_quantize_matches_its_reference(b, with_bias):
     assert got.shape == (b, si + st, H, D) and got.is_contiguous()
     assert (got.float() == want.float()).float().mean() > 0.99
     assert relative_error(got.float(), want.float()) < 1e-2
+    # the bound from the weights inside the kernel: the same codes as with the block's bound, given, and the
+    # descale torch computes from it (bound / 448 on CUDA: times float32(1 / 448))
+    from qwen_edit_hopper.fp8.attention.cudnn_fp8 import rms_norm_bound
+    from qwen_edit_hopper.fp8.qk_norm_quant import qk_norm_rope_quantize_scaled
+
+    w_bound = torch.maximum(rms_norm_bound(w_img, D), rms_norm_bound(w_txt, D))
+    given = qk_norm_rope_quantize(*args[:8], w_bound, *biases)
+    x8, descale = qk_norm_rope_quantize_scaled(*args[:8], *biases)
+    assert torch.equal(x8.view(torch.uint8), given.view(torch.uint8))
+    assert torch.equal(descale, (w_bound / 448.0).reshape(1))
 
 
 @pytest.mark.parametrize(("b", "with_bias"), [(1, False), (2, True)])

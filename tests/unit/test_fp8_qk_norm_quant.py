@@ -57,6 +57,7 @@ def test_reference_is_the_block_path():
 _INTERPRETER_PROBE = """
 import json, torch
 from qwen_edit_hopper.fp8 import qk_norm_quant as qq
+from qwen_edit_hopper.fp8.attention.cudnn_fp8 import rms_norm_bound
 
 def truncate_bf16(x):  # the interpreter's fp32 -> bf16 cast
     return (x.float().view(torch.int32) & -65536).view(torch.float32)
@@ -87,13 +88,20 @@ for b, si, st, h, d, with_bias in ((1, 6, 3, 8, 16, False), (2, 5, 4, 12, 32, Tr
     bound = torch.tensor([float(d) ** 0.5 * 1.02 * 1.9])
     b_img = (torch.randn(h, d, generator=g) * 2).bfloat16() if with_bias else None
     b_txt = (torch.randn(h, d, generator=g) * 2).bfloat16() if with_bias else None
-    out = qq._qk_norm_rope_quantize_op(x_img, x_txt, w_img, w_txt, b_img, b_txt, 1e-6, 1e-5, cos, sin, bound)
-    want = truncating_reference(x_img, x_txt, w_img, w_txt, 1e-6, 1e-5, cos, sin, bound, b_img, b_txt)
-    want8 = want.to(torch.float8_e4m3fn)  # torch rounds to nearest even, as the kernel's emulated cast
-    rows.append(dict(case=[b, si, st, h, d, with_bias], shape=list(out.shape),
-                     finite=bool(torch.isfinite(out.float()).all()),
-                     same_codes=float((out.float() == want8.float()).float().mean()),
-                     err=float((out.float() - want8.float()).norm() / want8.float().norm())))
+    out, descale = qq._qk_norm_rope_quantize_op(x_img, x_txt, w_img, w_txt, b_img, b_txt, 1e-6, 1e-5, cos, sin,
+                                                bound)
+    # the bound from the weights inside the kernel: the larger stream's rms_norm_bound, as the block computed it
+    w_bound = torch.maximum(rms_norm_bound(w_img, d), rms_norm_bound(w_txt, d)).reshape(1)
+    w_out, w_descale = qq._qk_norm_rope_quantize_op(x_img, x_txt, w_img, w_txt, b_img, b_txt, 1e-6, 1e-5, cos, sin,
+                                                    None)
+    for label, got, got_descale, used in (("given", out, descale, bound), ("weights", w_out, w_descale, w_bound)):
+        want = truncating_reference(x_img, x_txt, w_img, w_txt, 1e-6, 1e-5, cos, sin, used, b_img, b_txt)
+        want8 = want.to(torch.float8_e4m3fn)  # torch rounds to nearest even, as the kernel's emulated cast
+        rows.append(dict(case=[b, si, st, h, d, with_bias], bound=label, shape=list(got.shape),
+                         finite=bool(torch.isfinite(got.float()).all()),
+                         same_codes=float((got.float() == want8.float()).float().mean()),
+                         err=float((got.float() - want8.float()).norm() / want8.float().norm()),
+                         descale_exact=bool(got_descale == used * torch.tensor(1 / 448, dtype=torch.float32))))
 print(json.dumps(rows))
 """
 
@@ -101,9 +109,10 @@ print(json.dumps(rows))
 @pytest.mark.slow
 def test_kernel_matches_the_reference_under_the_interpreter():
     rows = run_probe(_INTERPRETER_PROBE, ("qwen_edit_hopper.fp8.qk_norm_quant",))
-    assert len(rows) == 3
+    assert len(rows) == 6 and {row["bound"] for row in rows} == {"given", "weights"}
     for row in rows:
         b, si, st, h, d, _ = row["case"]
         assert row["shape"] == [b, si + st, h, d] and row["finite"], row
+        assert row["descale_exact"], row
         # a wrong stream, token, head or pair order gives errors of order 1; what remains are sum-order ties
         assert row["same_codes"] > 0.98 and row["err"] < 1e-2, row
