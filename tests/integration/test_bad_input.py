@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from comfy_server import PromptFailedError, PromptRejectedError
 from fixtures_models import DIFFUSERS_FOLDER
-from prompts import DIT, VAE, edit_prompt, loader, read_image, sampler, write_image
+from prompts import DIT, VAE, apply_fp8, edit_prompt, loader, read_image, sampler, write_image
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +168,13 @@ def test_sampler_without_a_pipe_plan(comfy, picture):
               "4": {"class_type": "SaveImage", "inputs": {"images": ["3", 0], "filename_prefix": "x"}}}
     message = rejected(comfy, prompt)
     assert "pipe" in message or "QWEN_EDIT" in message
+
+
+def test_unknown_gemm_kernel_is_refused_naming_the_input(comfy, picture, baseline):
+    """Apply TE-FP8's optional gemm_kernel input with a value it does not have: refused at validation."""
+    message = rejected(comfy, edit_prompt(picture, chain=[apply_fp8("weight_only", gemm_kernel="cublas")]))
+    assert "gemm_kernel 'cublas' is not one of cublaslt, torch" in message
+    assert_server_still_works(comfy, picture, baseline)
 
 
 def test_fp8_attention_that_cannot_run_is_refused_with_the_reason(comfy, picture, baseline):
