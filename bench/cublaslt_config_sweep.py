@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import harness_core as hc
-from pack import load_pack
+from cublaslt_gemm_bench import load_binding
 
 SHAPES = ((8192, 3072, 3072), (8192, 3072, 12288), (8192, 12288, 3072), (16384, 3072, 12288),
           (16384, 12288, 3072))
@@ -179,12 +179,8 @@ def main() -> int:
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first N shapes")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
     args = parser.parse_args()
-    load_pack()
-    from qwen_edit_hopper.fp8 import cublaslt_gemm as lt
-
-    problem = lt.cublaslt_problem()
-    if problem:
-        print("cuBLASLt GEMM cannot run here:", problem)
+    lt = load_binding()
+    if lt is None:
         return 2
     lib = lt._library()
     declare(lt, lib)

@@ -43,7 +43,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def measure(lt, device: torch.device, l2: int, m: int, name: str, k: int, n: int) -> dict:
+def load_binding():
+    """The pack's cuBLASLt binding (``fp8.cublaslt_gemm``), or None after printing why it cannot run here."""
+    load_pack()
+    from qwen_edit_hopper.fp8 import cublaslt_gemm as lt
+
+    problem = lt.cublaslt_problem()
+    if problem:
+        print("cuBLASLt GEMM cannot run here:", problem)
+        return None
+    return lt
+
+
+def measure(lt, device: torch.device, l2: int, m: int, name: str, k: int, n: int, shipped_candidates: int) -> dict:
     copies = max(2, -(-3 * l2 // (n * k)))
     ring = [torch.randn(n, k, device=device).to(torch.float8_e4m3fn) for _ in range(copies)]
     w_scale = (torch.rand(n, 1, device=device) + 0.5) / 16
@@ -67,7 +79,7 @@ def measure(lt, device: torch.device, l2: int, m: int, name: str, k: int, n: int
         lambda i: lt.cublaslt_rowwise_mm(x8, x_scale, ring[i % copies], w_scale, True), CALLS, reps=9)
     row["lt_heuristic_err"] = rel_err(lt.cublaslt_rowwise_mm(x8, x_scale, ring[0], w_scale, True), ref)
 
-    lt.CANDIDATES = SHIPPED_CANDIDATES
+    lt.CANDIDATES = shipped_candidates
     lt._PLANS.clear()
     plan = lt.plan_for(x8, x_scale, ring[0], w_scale, True, out)
     row["timed_config"], row["candidate_us"], row["candidates"] = plan.config, plan.timings_us, plan.candidates
@@ -81,26 +93,18 @@ def measure(lt, device: torch.device, l2: int, m: int, name: str, k: int, n: int
     return row
 
 
-SHIPPED_CANDIDATES = 8
-
-
 def main() -> int:
-    global SHIPPED_CANDIDATES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 300, 600])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
     args = parser.parse_args()
-    load_pack()
-    from qwen_edit_hopper.fp8 import cublaslt_gemm as lt
-
-    problem = lt.cublaslt_problem()
-    if problem:
-        print("cuBLASLt GEMM cannot run here:", problem)
+    lt = load_binding()
+    if lt is None:
         return 2
-    SHIPPED_CANDIDATES = lt.CANDIDATES
     device = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    rows = [measure(lt, device, l2, m, name, k, n) for m in args.tokens for name, k, n in SHAPES]
+    shipped = lt.CANDIDATES
+    rows = [measure(lt, device, l2, m, name, k, n, shipped) for m in args.tokens for name, k, n in SHAPES]
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cublaslt": lt._library().version,
               "date": dt.date.today().isoformat(), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,8 @@ divisible by the head group (8, 4, 2 or 1). Callers check :func:`qk_norm_quant_p
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .gelu_quant import gelu_quant_problem
@@ -170,6 +172,7 @@ if triton is not None:
         return out, descale
 
 
+@functools.cache
 def _bound_factor(head_dim: int) -> float:
     """:func:`...attention.cudnn_fp8.rms_norm_bound`'s factor, rounded to float32 as torch multiplies by it."""
     from .attention.cudnn_fp8 import rms_norm_bound
