@@ -49,6 +49,8 @@ FP8_FORMATS = ("E4M3", "HYBRID")
 AMAX_ALGOS = ("max", "most_recent")
 STORAGE_LAYER_MODES = ("fp8", "bf16")
 GEMM_KERNELS = ("torch", "cublaslt")
+"""``torch``: ``torch._scaled_mm``; ``cublaslt``: the pack's workspace-free cuBLASLt call (:mod:`.cublaslt_gemm`,
+row-wise only). Also what :class:`.linear.ScaledMMLinear` accepts."""
 
 
 def _choice(field_name: str, value: object, allowed: tuple[str, ...]) -> None:

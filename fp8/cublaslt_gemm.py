@@ -293,12 +293,15 @@ def plan_for(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale:
     m, k = x8.shape
     n = w8.shape[0]
     key = (x8.device.index, m, n, k, x8.stride(0), bool(fast_accum))
-    plan = _PLANS.get(key)
-    if plan is not None and plan.algo is not None:
+    plan = _PLANS.get(key)  # only finished plans are stored
+    if plan is not None:
         return plan
     lib = _library()
     with _LOCK:
-        plan = _PLANS.get(key) or _new_plan(lib, key)
+        plan = _PLANS.get(key)
+        if plan is not None:  # another caller finished it meanwhile
+            return plan
+        plan = _new_plan(lib, key)
         _set_scales(lib, plan, x_scale, w_scale)
         algos = _heuristics(lib, plan, CANDIDATES)
         plan.candidates = len(algos)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from .config import GEMM_KERNELS
 from .cublaslt_gemm import cublaslt_rowwise_mm
 from .quant import (
     FP8_DTYPE,
@@ -41,9 +42,6 @@ __all__ = ["GEMM_KERNELS", "GRANULARITIES", "Fp8Linear", "ScaledMMLinear", "Weig
 logger = logging.getLogger(__name__)
 
 GRANULARITIES = ("rowwise", "tensorwise")
-GEMM_KERNELS = ("torch", "cublaslt")
-"""``torch``: ``torch._scaled_mm``; ``cublaslt``: the pack's workspace-free cuBLASLt call (:mod:`.cublaslt_gemm`,
-row-wise only)."""
 SCALED_MM_ALIGN = 16
 
 
