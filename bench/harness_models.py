@@ -141,16 +141,17 @@ def build_dit(size: str, device: torch.device | str, dtype: torch.dtype = torch.
     return materialize_random(create_dit(configs(size)[0]), device, dtype, seed)
 
 
-def fastest_fp8_dit(base: torch.nn.Module) -> torch.nn.Module:
+def fastest_fp8_dit(base: torch.nn.Module, fused_qkv: tuple[str, ...] | None = None) -> torch.nn.Module:
     """The fastest preset's DiT built from ``base`` (row-wise scaled-mm, "attn+mlp+mod compute", fast
-    accumulation, the workspace-free cuBLASLt GEMM call) with the pack's regional compile (blocks compiled on
-    first use). ``base`` stays as it is; the caller drops it when done with it."""
+    accumulation, the workspace-free cuBLASLt GEMM call, the text stream's Q/K/V fused unless ``fused_qkv``
+    names other streams) with the pack's regional compile (blocks compiled on first use). ``base`` stays as it
+    is; the caller drops it when done with it."""
     from qwen_edit_hopper.fp8 import Fp8Config
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.fp8_dit import build_fp8_dit
 
     module = build_fp8_dit(base, Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute",
-                                           fast_accum=True, gemm_kernel="cublaslt"))  # fmt: skip
+                                           fast_accum=True, gemm_kernel="cublaslt"), fused_qkv)  # fmt: skip
     ff.compile_blocks(module)
     return module
 

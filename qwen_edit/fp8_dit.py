@@ -23,13 +23,18 @@ def _structure_sharing_tensors(module: torch.nn.Module) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def build_fp8_dit(base_module: torch.nn.Module, fp8_config: Any) -> torch.nn.Module:
+def build_fp8_dit(base_module: torch.nn.Module, fp8_config: Any,
+                  fused_qkv: tuple[str, ...] | None = None) -> torch.nn.Module:
     """Convert a structural copy of ``base_module`` with ``fp8.quantize_linears``; returns the new module.
 
-    The module carries the conversion report as ``fp8_report``. Raises the fp8
-    package's errors (backend unavailable, shapes it cannot take) unchanged.
+    Then the Q/K/V projections of the ``fused_qkv`` streams (default: ``fast.qkv.FP8_FUSED_STREAMS``, the
+    text stream) become one row-wise fp8 layer per block where all three are row-wise ``ScaledMMLinear``
+    (``fast.qkv.fuse_fp8_qkv``; numerically the three layers). The module carries the conversion report as
+    ``fp8_report`` and the number of fused layers as ``fused_qkv_layers``. Raises the fp8 package's errors
+    (backend unavailable, shapes it cannot take) unchanged.
     """
     from ..fp8 import quantize_linears
+    from .fast.qkv import FP8_FUSED_STREAMS, fuse_fp8_qkv
 
     variant = _structure_sharing_tensors(base_module)
     report = quantize_linears(variant, fp8_config)
@@ -46,8 +51,9 @@ def build_fp8_dit(base_module: torch.nn.Module, fp8_config: Any) -> torch.nn.Mod
         for name, buffer in list(owner._buffers.items()):
             if shared(buffer):
                 owner._buffers[name] = buffer.clone()
+    variant.fused_qkv_layers = fuse_fp8_qkv(variant, FP8_FUSED_STREAMS if fused_qkv is None else fused_qkv)
     variant.fp8_report = report
-    logger.info("FP8 variant: %s", report.counts)
+    logger.info("FP8 variant: %s; %d fused Q/K/V layers", report.counts, variant.fused_qkv_layers)
     return variant
 
 
@@ -60,11 +66,16 @@ def requantize_in_place(variant: torch.nn.Module, base_module: torch.nn.Module, 
     """
     from ..fp8 import quantize_rowwise, quantize_tensorwise
     from ..fp8.linear import Fp8Linear, ScaledMMLinear
+    from .fast.qkv import fused_rows
 
     base_params = dict(base_module.named_parameters())
     plan = []
     for name in sorted(names):
         owner_name, _, attr = name.rpartition(".")
+        fused = fused_rows(variant, owner_name) if owner_name and not _has_submodule(variant, owner_name) else None
+        if fused is not None:  # a Q/K/V projection fused into one layer: its rows of that layer
+            plan.append((fused, attr, base_params[name]))
+            continue
         owner = variant.get_submodule(owner_name) if owner_name else variant
         if isinstance(owner, Fp8Linear):
             plan.append((owner, attr, base_params[name]))
@@ -73,7 +84,9 @@ def requantize_in_place(variant: torch.nn.Module, base_module: torch.nn.Module, 
         else:
             plan.append((owner, attr, base_params[name]))
     for owner, attr, source in plan:
-        if isinstance(owner, Fp8Linear) and attr == "weight":
+        if isinstance(owner, tuple):
+            _requantize_rows(*owner, attr, source)
+        elif isinstance(owner, Fp8Linear) and attr == "weight":
             tensorwise = isinstance(owner, ScaledMMLinear) and owner.granularity == "tensorwise"
             weight, scale = quantize_tensorwise(source) if tensorwise else quantize_rowwise(source)
             owner.weight.copy_(weight)
@@ -81,3 +94,23 @@ def requantize_in_place(variant: torch.nn.Module, base_module: torch.nn.Module, 
         else:
             getattr(owner, attr).copy_(source)
     return True
+
+
+def _has_submodule(module: torch.nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _requantize_rows(fused: torch.nn.Module, rows: slice, attr: str, source: torch.Tensor) -> None:
+    """Write one projection's new weight (row-wise quantized) or bias into its rows of a fused Q/K/V layer."""
+    from ..fp8 import quantize_rowwise
+
+    if attr == "weight":
+        weight, scale = quantize_rowwise(source)
+        fused.weight[rows].copy_(weight)
+        fused.weight_scale[rows].copy_(scale.reshape(fused.weight_scale[rows].shape))
+    else:
+        getattr(fused, attr)[rows].copy_(source)

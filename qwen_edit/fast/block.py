@@ -30,6 +30,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...fp8.attention import attention
+from . import qkv
 from .fp8_attention import cudnn_fp8_joint_attention, split_output
 from .mlp import mlp_forward, mlp_takes_prequantized
 from .prequant import (
@@ -114,7 +115,7 @@ def _mod_params(mod: torch.Tensor, dim: int, selector: torch.Tensor | None) -> t
 def _qkv_layers(attn: torch.nn.Module, image_stream: bool) -> tuple[torch.nn.Module, ...]:
     """The fused QKV linear of one stream, or its three projections."""
     fused = getattr(attn, FUSED_IMAGE if image_stream else FUSED_TEXT, None)
-    if fused is not None:
+    if fused is not None and qkv.USE_FUSED:
         return (fused,)
     return (attn.to_q, attn.to_k, attn.to_v) if image_stream else (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
 

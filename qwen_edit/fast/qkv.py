@@ -9,6 +9,11 @@ are the rows' own, so the fused fp8 layer is numerically the three fp8 layers).
 Order (architecture.md): LoRA fused into the bf16 weights first, then :func:`fuse_qkv`, then
 ``fp8.quantize_linears``, then compile. After fusing, DiffSynth's own ``model_fn_qwen_image`` and
 LoRA code that looks for ``attn.to_q`` no longer apply to the module; the fast forward runs it.
+
+:func:`fuse_fp8_qkv` does the same after the fp8 conversion, for row-wise ``ScaledMMLinear`` layers (their
+fp8 rows, per-row scales and biases concatenated: numerically the three layers). The pack's fp8 variants
+(``qwen_edit.fp8_dit.build_fp8_dit``) fuse the text stream's (:data:`FP8_FUSED_STREAMS`); a LoRA update
+of ``add_q_proj`` and friends is re-quantized into the fused layer's rows (:func:`fused_rows`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,18 @@ logger = logging.getLogger(__name__)
 FUSED_IMAGE = "to_qkv"
 FUSED_TEXT = "add_qkv_proj"
 _STREAMS = ((("to_q", "to_k", "to_v"), FUSED_IMAGE), (("add_q_proj", "add_k_proj", "add_v_proj"), FUSED_TEXT))
+
+STREAM_LAYERS = {"image": _STREAMS[0], "text": _STREAMS[1]}
+"""Stream -> (its three projection names, the fused layer's name)."""
+
+FP8_FUSED_STREAMS = ("text",)
+"""Streams whose row-wise fp8 Q/K/V the pack's fp8 variants run as one GEMM. The text stream (M = 300 tokens at
+batch 1): three 3072 -> 3072 GEMMs of about 11.5 us each become one 3072 -> 9216 GEMM (docs/experiments/
+forward.md, twelfth session). The image stream keeps three: its fused GEMM was not faster (first session)."""
+
+USE_FUSED = True
+"""Whether the fast forward runs a block's fused Q/K/V layer when it has one (a switch for A/B benches that
+keep the three projections beside it, :func:`fuse_fp8_qkv` ``keep_separate``). Dynamo guards on it."""
 
 FUSED_QKV_PATTERN = r"transformer_blocks\.\d+\.attn\.(?:to_qkv|add_qkv_proj)"
 """Qualified names of the fused layers, in ``fp8.presets`` pattern syntax (for a preset's ``compute``)."""
@@ -76,3 +93,74 @@ def fuse_qkv(dit: nn.Module) -> int:
             created += 1
     logger.info("fuse_qkv: %d fused Q/K/V projections", created)
     return created
+
+
+def _fusable_fp8(layers: tuple[nn.Module | None, ...]) -> bool:
+    """Three row-wise ``ScaledMMLinear`` layers with the same shape, settings, bias presence and device."""
+    from ...fp8.linear import ScaledMMLinear
+
+    if any(type(layer) is not ScaledMMLinear or layer.granularity != "rowwise" for layer in layers):
+        return False
+    return len({(layer.in_features, layer.out_features, layer.emulate, layer.fast_accum, layer.gemm_kernel,
+                 layer.bias is None, layer.weight.device) for layer in layers}) == 1
+
+
+@torch.no_grad()
+def fuse_fp8_qkv(dit: nn.Module, streams: tuple[str, ...] = FP8_FUSED_STREAMS, keep_separate: bool = False) -> int:
+    """After ``fp8.quantize_linears``: one row-wise fp8 Q/K/V layer per block for each of ``streams``.
+
+    Args:
+        dit: a DiffSynth ``QwenImageDiT`` whose projections are row-wise ``ScaledMMLinear`` (fp8 weight
+            [N, K] e4m3, scale [N, 1] float32, bias [N] bf16); blocks whose three differ in type, shape or
+            settings (Transformer Engine, weight-only, tensor-wise) are left as they are.
+        streams: "image" and / or "text".
+        keep_separate: keep the three projections beside the fused layer (A/B benches, :data:`USE_FUSED`);
+            the fp8 weights are then held twice.
+
+    Returns:
+        The number of fused layers created. The fused layer is ``ScaledMMLinear`` [3N, K] (rows q, k, v) with
+        the three layers' scales and biases: each output column is computed as in its own layer.
+    """
+    from ...fp8.linear import ScaledMMLinear
+
+    created = 0
+    for index, block in enumerate(dit.transformer_blocks):
+        attn = block.attn
+        for stream in streams:
+            names, fused_name = STREAM_LAYERS[stream]
+            layers = tuple(getattr(attn, name, None) for name in names)
+            if hasattr(attn, fused_name) or not _fusable_fp8(layers):
+                continue
+            first = layers[0]
+            bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
+            fused = ScaledMMLinear(
+                torch.cat([layer.weight for layer in layers]),
+                torch.cat([layer.weight_scale.reshape(-1, 1) for layer in layers]), bias, "rowwise", first.emulate,
+                f"transformer_blocks.{index}.attn.{fused_name}", first.fast_accum, first.gemm_kernel)
+            if not keep_separate:
+                for name in names:
+                    delattr(attn, name)
+            setattr(attn, fused_name, fused)
+            created += 1
+    if created:
+        logger.info("fuse_fp8_qkv: %d fused fp8 Q/K/V layers (%s)", created, ", ".join(streams))
+    return created
+
+
+def fused_rows(dit: nn.Module, layer_name: str) -> tuple[nn.Module, slice] | None:
+    """Where a projection fused away by :func:`fuse_fp8_qkv` lives: (the fused layer, its rows), or None.
+
+    ``layer_name`` is the original's qualified name, e.g. ``transformer_blocks.3.attn.add_k_proj``.
+    """
+    attn_name, _, leaf = layer_name.rpartition(".")
+    for names, fused_name in _STREAMS:
+        if leaf not in names:
+            continue
+        try:
+            fused = dit.get_submodule(f"{attn_name}.{fused_name}")
+        except AttributeError:
+            return None
+        rows = fused.weight.shape[0] // 3
+        start = names.index(leaf) * rows
+        return fused, slice(start, start + rows)
+    return None
