@@ -6,8 +6,9 @@ For each row-wise fp8 GEMM shape of the image stream (M = 8192 / 16384 tokens; K
 shortlist of Hopper tiles), custom option, CTA swizzle and cluster shape changed; everything else in the
 opaque algorithm struct is kept (an algorithm rebuilt from AlgoInit with the same public configuration is
 not the same kernel: the first sweep found only workspace-needing ones that way, and the diagnosis in the
-JSON compares the two). Variants ``cublasLtMatmulAlgoCheck`` accepts without workspace are timed once on
-the real operands (10 calls, one weight), and the 6 fastest, with the heuristic's pick, again as a CUDA
+JSON compares the two). Variants ``cublasLtMatmulAlgoCheck`` accepts with at most :data:`WORKSPACE_BYTES` of
+workspace (it reports 4 bytes for the heuristic's own pick) are timed once on the real operands (10 calls, one
+weight), and the 6 fastest, with the heuristic's pick, again as a CUDA
 graph of 24 calls over weight copies larger than the L2 cache (weights from HBM, as in the model). Uses the
 pack's binding (``fp8/cublaslt_gemm.py``). Run from the repository root on an H100 / H200 (JSON in
 ``$OUT/cublaslt_sweep.json``, table last)::
@@ -141,7 +142,7 @@ def diagnose(lt, lib, plan, heuristic, types) -> dict:
 
 
 def configurations(lt, lib, plan, heuristic, max_configs: int, budget_s: float):
-    """Workspace-free variants of the heuristic's own algorithm that cublasLtMatmulAlgoCheck accepts: its tile,
+    """Variants of the heuristic's own algorithm that cublasLtMatmulAlgoCheck accepts (small workspace): its tile,
     custom option, CTA swizzle and cluster shape changed, everything else (including what the public
     attributes do not show) kept. Up to ``max_configs``, or what ``budget_s`` seconds of checking find."""
     deadline = time.monotonic() + budget_s
