@@ -17,6 +17,9 @@ and power drift hit all variants alike. Variants:
   (``fp8_attention.QK_KERNEL_BOUND``);
 * with ``--gemm`` instead: the large GEMMs through ``torch._scaled_mm`` or through the pack's workspace-free
   cuBLASLt call (``ScaledMMLinear.gemm_kernel``, :mod:`fp8.cublaslt_gemm`);
+* with ``--text`` instead: the text stream's Q/K/V as three GEMMs or as one fused GEMM
+  (:func:`qwen_edit.fast.qkv.fuse_fp8_qkv`), and its MLP down-projection split over K in two
+  (``fp8.small_m_gemm.SPLIT_K``);
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
   (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
   timed a cross-block residual update, since removed: docs/experiments/forward.md.)
@@ -71,6 +74,13 @@ QK_BOUND_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 8th field: fp8_
     ("q/k bounds by two reductions per block", False, True, True, SHIPPED, SHIPPED, SHIPPED, False),
     ("q/k bounds inside the QK kernel", False, True, True, SHIPPED, SHIPPED, SHIPPED, True),
 )
+TEXT_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 9th field: the text stream's fused Q/K/V layer
+    # (qkv.USE_FUSED), 10th: the text MLP down-projection split over K (small_m_gemm.SPLIT_K)
+    ("text Q/K/V: three GEMMs", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, False, False),
+    ("text Q/K/V: one GEMM", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, False),
+    ("text Q/K/V: one GEMM; down-projection split-K", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True,
+     True),
+)
 GEMM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 7th field: ScaledMMLinear.gemm_kernel
     ("torch._scaled_mm GEMMs", False, True, True, SHIPPED, SHIPPED, "torch"),
     ("workspace-free cuBLASLt GEMMs", False, True, True, SHIPPED, SHIPPED, "cublaslt"),
@@ -94,27 +104,37 @@ def main() -> int:
                         help="instead: the q / k bounds by small reductions or inside the QK kernel")
     parser.add_argument("--gemm", action="store_true",
                         help="instead: torch._scaled_mm against the workspace-free cuBLASLt GEMM")
+    parser.add_argument("--text", action="store_true",
+                        help="instead: the text stream's Q/K/V as three GEMMs or one, and its MLP down-projection "
+                             "with or without a K split")  # fmt: skip
+    parser.add_argument("--split-k-config", metavar="BM,BN,BK,WARPS,STAGES,SPLIT",
+                        help="with --text: the down-projection's split-K tile config (default: the pack's)")
     parser.add_argument("--norm", action="store_true",
                         help="instead: the LayerNorm kernel, one-row or multi-row")
     args = parser.parse_args()
     variants = (NORM_VARIANTS if args.norm else SCALAR_VARIANTS if args.scalars else GEMM_VARIANTS if args.gemm
-                else QK_BOUND_VARIANTS if args.qk_bound
+                else QK_BOUND_VARIANTS if args.qk_bound else TEXT_VARIANTS if args.text
                 else VARIANTS + (MODULATION_VARIANTS if args.modulation else ()))  # fmt: skip
     load_pack()
     from qwen_edit_hopper.fp8 import norm_quant, small_m_gemm
     from qwen_edit_hopper.fp8.linear import ScaledMMLinear
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
-    from qwen_edit_hopper.qwen_edit.fast import fp8_attention, graphs, modulation
+    from qwen_edit_hopper.qwen_edit.fast import fp8_attention, graphs, modulation, qkv
 
     shipped_rows, shipped_scalars = norm_quant.DEFAULT_ROWS, fp8_attention.V_KERNEL_SCALARS
     shipped_qk_bound = fp8_attention.QK_KERNEL_BOUND
+    shipped_split_k = small_m_gemm.SPLIT_K
+    if args.split_k_config:
+        small_m_gemm.SPLIT_K_CONFIGS[(12288, 3072)] = tuple(int(v) for v in args.split_k_config.split(","))
 
     device = torch.device("cuda")
     base = hm.build_dit(hm.FULL, device)
     inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
     reference = hm.fast_forward(ff, base, inputs).float()
-    module = hm.fastest_fp8_dit(base)
+    module = hm.fastest_fp8_dit(base, fused_qkv=() if args.text else None)
+    if args.text:  # both ways in one model: the three text projections and the fused layer beside them
+        qkv.fuse_fp8_qkv(module, ("text",), keep_separate=True)
     del base
     torch.cuda.empty_cache()
 
@@ -127,12 +147,17 @@ def main() -> int:
         *extra, batch = rest
         gemm = shipped_gemm if not extra or extra[0] is SHIPPED else extra[0]
         qk_bound = shipped_qk_bound if len(extra) < 2 or extra[1] is SHIPPED else extra[1]
+        text_qkv = True if len(extra) < 3 else extra[2]
+        split_k = shipped_split_k if len(extra) < 4 else extra[3]
+        signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, text_qkv, split_k)
 
         def call():
-            if current[0] != (fused, graphed, small_m, rows, scalars, gemm, qk_bound):  # not in a graph's signature
+            if current[0] != signature:  # not in a graph's signature
                 graphs.disable_cuda_graphs(module)
-                current[0] = (fused, graphed, small_m, rows, scalars, gemm, qk_bound)
+                current[0] = signature
                 fp8_attention.QK_KERNEL_BOUND = qk_bound
+                qkv.USE_FUSED = text_qkv
+                small_m_gemm.SPLIT_K = split_k
                 for layer in layers:
                     layer.gemm_kernel = gemm
             modulation.FUSED_MODULATION = fused
@@ -170,6 +195,7 @@ def main() -> int:
                                            "rounds_batch1": [round(t, 2) for t in times[(label, 1)]]})  # fmt: skip
     from qwen_edit_hopper.fp8 import cublaslt_gemm
 
+    results["split_k_configs"] = {f"{k}x{n}": list(c) for (k, n), c in small_m_gemm.SPLIT_K_CONFIGS.items()}
     results["cublaslt_plans"] = [{"key": list(k), "config": p.config, "candidate_us": p.timings_us}
                                  for k, p in cublaslt_gemm.plans().items()]
     args.out.mkdir(parents=True, exist_ok=True)

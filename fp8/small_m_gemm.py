@@ -39,8 +39,8 @@ import torch
 
 from .quant import FP8_DTYPE
 
-__all__ = ["CONFIGS", "ENABLED", "MAX_ROWS", "MIN_ROWS", "OP_NAME", "config_for_shape", "fp8_gemm_small_m",
-           "small_m_config"]
+__all__ = ["CONFIGS", "ENABLED", "MAX_ROWS", "MIN_ROWS", "OP_NAME", "SPLIT_K", "SPLIT_K_CONFIGS", "config_for_shape",
+           "fp8_gemm_small_m", "small_m_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +54,22 @@ torch.compile with a dynamic text length the range check is a guard: lengths ins
 MIN_ROWS = 17
 """Smallest M: GEMVs (the modulation's one timestep row) stay with cuBLASLt."""
 
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
     (3072, 9216): (64, 128, 128, 4, 3),
     (3072, 3072): (64, 128, 128, 4, 4),
     (3072, 12288): (64, 256, 128, 4, 4),
 }
 """(K, N) -> (BM, BN, BK, warps, stages): the fastest of 72 tile configurations per shape at M = 300 on an
 H200 (bench/text_gemm_bench.py, docs/benchmarks.md, eighth session)."""
+
+SPLIT_K_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
+    (12288, 3072): (64, 128, 128, 4, 4, 2),
+}
+"""(K, N) -> (BM, BN, BK, warps, stages, K splits) for shapes whose output tiles alone leave SMs idle (the
+MLP down-projection: 24 column tiles). Taken only while :data:`SPLIT_K` is on."""
+
+SPLIT_K = False
+"""Switch for the split-K configs (A/B benches). Read when a call is traced (Dynamo guards on it)."""
 
 ENABLED = True
 """Switch for A/B benches. Read when a call is traced (Dynamo guards on it, so flipping it recompiles)."""
@@ -76,16 +85,17 @@ else:
     _TRITON_MISSING = None
 
 
-def config_for_shape(m: int, k: int, n: int, capability: tuple[int, int]) -> tuple[int, int, int, int, int] | None:
-    """(BM, BN, BK, warps, stages) for an M x K x N row-wise GEMM on a GPU of ``capability``, or None (cuBLASLt):
-    compute capability 9.0, MIN_ROWS <= M <= MAX_ROWS and (K, N) in :data:`CONFIGS`."""
+def config_for_shape(m: int, k: int, n: int, capability: tuple[int, int]) -> tuple[int, ...] | None:
+    """(BM, BN, BK, warps, stages[, K splits]) for an M x K x N row-wise GEMM on a GPU of ``capability``, or
+    None (cuBLASLt): compute capability 9.0, MIN_ROWS <= M <= MAX_ROWS and (K, N) in :data:`CONFIGS` (or in
+    :data:`SPLIT_K_CONFIGS` while :data:`SPLIT_K` is on)."""
     if tuple(capability) != (9, 0) or not MIN_ROWS <= m <= MAX_ROWS:
         return None
-    return CONFIGS.get((k, n))
+    return CONFIGS.get((k, n)) or (SPLIT_K_CONFIGS.get((k, n)) if SPLIT_K else None)
 
 
 def small_m_config(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype,
-                   fast_accum: bool) -> tuple[int, int, int, int, int] | None:
+                   fast_accum: bool) -> tuple[int, ...] | None:
     """The tile config when the small-M kernel should run this row-wise GEMM, else None (cuBLASLt).
 
     Takes it only for: :data:`ENABLED`, Triton importable, CUDA tensors, fast accumulation, bf16 output,
@@ -108,25 +118,33 @@ if triton is not None:
 
     @triton.jit
     def _fp8_gemm_small_m_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xs,  # noqa: N803
-                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # noqa: N803
-        """out[m, n] = bf16(xs[m] * ws[n] * sum_k x[m, k] w[n, k]); one program per (BM, BN) tile.
+                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,  # noqa: N803
+                                 SPLIT: tl.constexpr):  # noqa: N803
+        """out[m, n] = bf16(xs[m] * ws[n] * sum_k x[m, k] w[n, k]); one program per (BM, BN) tile and K split.
 
         Row tiles run fastest (program id % row tiles), so the 5 tiles of M = 300 that share a weight tile
         are scheduled together and the weight tile is read from HBM about once. Needs N % BN == 0 and
-        K % BK == 0 (the configs' shapes).
+        K % (BK * SPLIT) == 0 (the configs' shapes). With SPLIT > 1, grid axis 1 is the split: each program
+        sums its K / SPLIT range and writes float32 ``xs[m] * ws[n] * partial`` to out[split, m, n].
         """
         pid = tl.program_id(0)
+        split = tl.program_id(1)
         num_m = tl.cdiv(M, BM)
         pid_m = pid % num_m
         pid_n = pid // num_m
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
-        offs_k = tl.arange(0, BK)
+        if SPLIT == 1:
+            k_len = K
+            offs_k = tl.arange(0, BK)
+        else:  # the split's first column, a multiple of BK (unknown to Triton: unaligned loads without the hint)
+            k_len = K // SPLIT
+            offs_k = tl.multiple_of(split * k_len, BK) + tl.arange(0, BK)
         a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
         b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
         row_ok = offs_m[:, None] < M
         acc = tl.zeros((BM, BN), tl.float32)
-        for _ in range(0, K, BK):
+        for _ in range(0, k_len, BK):
             a = tl.load(a_ptrs, mask=row_ok, other=0.0)
             b = tl.load(b_ptrs)
             acc = tl.dot(a, b, acc)
@@ -135,33 +153,45 @@ if triton is not None:
         xs = tl.load(xs_ptr + offs_m * stride_xs, mask=offs_m < M, other=0.0)
         ws = tl.load(ws_ptr + offs_n)
         acc = acc * xs[:, None] * ws[None, :]
-        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.bfloat16), mask=row_ok)
+        out_ptrs = out_ptr + split * M * N + offs_m[:, None] * N + offs_n[None, :]
+        if SPLIT == 1:
+            tl.store(out_ptrs, acc.to(tl.bfloat16), mask=row_ok)
+        else:
+            tl.store(out_ptrs, acc, mask=row_ok)
 
     @triton_op(OP_NAME, mutates_args={})
     def _fp8_gemm_small_m_op(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                             bm: int, bn: int, bk: int, warps: int, stages: int) -> torch.Tensor:
+                             bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1) -> torch.Tensor:
         m, k = x8.shape
         n = w8.shape[0]
-        out = torch.empty((m, n), dtype=torch.bfloat16, device=x8.device)
-        wrap_triton(_fp8_gemm_small_m_kernel)[(triton.cdiv(m, bm) * (n // bn),)](
+        if split == 1:
+            out = torch.empty((m, n), dtype=torch.bfloat16, device=x8.device)
+        else:
+            out = torch.empty((split, m, n), dtype=torch.float32, device=x8.device)
+        wrap_triton(_fp8_gemm_small_m_kernel)[(triton.cdiv(m, bm) * (n // bn), split)](
             x8, w8, x_scale, w_scale, out, m, n, k, x8.stride(0), x_scale.stride(0),
-            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+            BM=bm, BN=bn, BK=bk, SPLIT=split, num_warps=warps, num_stages=stages,
         )
         return out
 
 
 def fp8_gemm_small_m(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                     config: tuple[int, int, int, int, int]) -> torch.Tensor:
+                     config: tuple[int, ...]) -> torch.Tensor:
     """x8 [M, K] e4m3, x_scale [M, 1] float32, w8 [N, K] e4m3, w_scale [N, 1] float32 -> [M, N] bf16.
 
-    ``config`` from :func:`small_m_config` (which checks every limit); raises ValueError where a shape
-    does not fit the config's tiles.
+    ``config`` from :func:`small_m_config` (which checks every limit): (BM, BN, BK, warps, stages[, split]).
+    With a K split of 2 or more the kernel writes float32 partials [split, M, N] and their sum is taken
+    here, in torch ops, so that under ``torch.compile`` Inductor folds it into the consumer's pass (the bias
+    add and the residual update). Raises ValueError where a shape does not fit the config's tiles.
     """
     if _TRITON_MISSING is not None:
         raise ValueError(_TRITON_MISSING)
-    bm, bn, bk, warps, stages = config
+    bm, bn, bk, warps, stages, *rest = config
+    split = rest[0] if rest else 1
     k, n = x8.shape[1], w8.shape[0]
-    if n % bn or k % bk or w8.shape[1] != k:
+    if n % bn or k % (bk * split) or w8.shape[1] != k:
         raise ValueError(f"fp8_gemm_small_m: weight {tuple(w8.shape)} and input {tuple(x8.shape)} do not fit "
-                         f"tiles of {bn} columns x {bk} inner")
-    return _fp8_gemm_small_m_op(x8, x_scale, w8, w_scale.reshape(n, 1).contiguous(), bm, bn, bk, warps, stages)
+                         f"tiles of {bn} columns x {bk} inner in {split} K splits")
+    out = _fp8_gemm_small_m_op(x8, x_scale, w8, w_scale.reshape(n, 1).contiguous(), bm, bn, bk, warps, stages,
+                               split)
+    return out if split == 1 else out.sum(0).to(torch.bfloat16)

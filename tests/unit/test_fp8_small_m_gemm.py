@@ -78,12 +78,22 @@ for m, row_stride, expanded_scale in [(20, k, False), (70, k, False), (70, 2 * k
                                        ws.reshape(n, 1).contiguous(), 64, 128, 128, 4, 3)
     swapped_err = ((swapped.float() - want).norm() / want.norm()).item()
     results.append([m, row_stride, expanded_scale, list(got.shape), str(got.dtype), err, swapped_err])
+split = None
+if True:  # the K split: float32 partials [2, M, N] whose sum is the product; through the public call, bf16
+    x8, xs = quantize_rowwise(torch.randn(40, k, generator=g).bfloat16())
+    want = (x8.float() @ w8.float().t()) * xs * ws.reshape(1, n)
+    parts = smg._fp8_gemm_small_m_op(x8, xs, w8, ws.reshape(n, 1).contiguous(), 64, 128, 64, 4, 3, 2)
+    summed = smg.fp8_gemm_small_m(x8, xs, w8, ws, (64, 128, 64, 4, 3, 2))
+    half = (x8[:, :128].float() @ w8[:, :128].float().t()) * xs * ws.reshape(1, n)
+    split = [list(parts.shape), str(parts.dtype), ((parts.sum(0) - want).norm() / want.norm()).item(),
+             ((parts[0] - half).norm() / half.norm()).item(), str(summed.dtype),
+             ((summed.float() - want).norm() / want.norm()).item()]
 refusal = None
 try:
     smg.fp8_gemm_small_m(x8, xs, torch.zeros(200, k, dtype=w8.dtype), torch.ones(200, 1), (64, 128, 128, 4, 3))
 except ValueError as exc:
     refusal = str(exc)
-print(json.dumps({"results": results, "refusal": refusal}))
+print(json.dumps({"results": results, "split": split, "refusal": refusal}))
 """
 
 
@@ -95,3 +105,14 @@ def test_kernel_under_the_interpreter_matches_the_float32_reference():
         assert err < 5e-3, (m, row_stride, expanded, err)
         assert swapped_err > 0.1, "the row scales are not applied per row"
     assert "do not fit tiles of 128 columns" in probe["refusal"]
+    shape, dtype, sum_err, first_half_err, summed_dtype, summed_err = probe["split"]
+    assert shape == [2, 40, 256] and dtype == "torch.float32"
+    assert sum_err < 1e-5 and first_half_err < 1e-5, "split 0 must hold exactly the first half of K"
+    assert summed_dtype == "torch.bfloat16" and summed_err < 5e-3
+
+
+def test_split_k_configs_are_taken_only_while_switched_on(monkeypatch):
+    assert config_for_shape(300, 12288, 3072, HOPPER) is None  # the down-projection keeps cuBLASLt
+    monkeypatch.setattr(small_m_gemm, "SPLIT_K", True)
+    assert config_for_shape(300, 12288, 3072, HOPPER) == small_m_gemm.SPLIT_K_CONFIGS[(12288, 3072)]
+    assert config_for_shape(300, 3072, 9216, HOPPER) == CONFIGS[(3072, 9216)]  # unsplit shapes unchanged
