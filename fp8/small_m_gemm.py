@@ -15,6 +15,9 @@ shape (K -> N), M=300  cuBLASLt (us)       this kernel (us)       config
 12288 -> 3072 (down)   32.5                31.8 (not used)        -
 =====================  ==================  =====================  ================
 
+The down-projection's K split (:data:`SPLIT_K_CONFIGS`, twelfth session, bench/text_down_split_bench.py) took
+32.3 us against cuBLASLt's 32.5 (more exact: 2.4e-3 against 3.1e-3 from the exact product); it stays off.
+
 At M = 600 (true CFG batched) cuBLASLt was as fast or faster for every shape, so :func:`small_m_config`
 answers only for 16 < M <= :data:`MAX_ROWS` and the three shapes above; everything else keeps
 ``torch._scaled_mm``.
