@@ -36,8 +36,151 @@ CONFIGS = (
     (8, 512, 2, 1, "fma"),
     (16, 512, 8, 1, "fma"),
     (32, 512, 8, 2, "fma"),
+    (16, 256, 4, 3, "fma"),
+    (16, 256, 8, 2, "fma"),
+    (8, 512, 4, 3, "rowsum"),
+    (16, 512, 4, 3, "rowsum"),
+    (16, 256, 4, 4, "rowsum"),
+    (32, 256, 8, 3, "rowsum"),
+    (8, 1024, 8, 2, "rowsum"),
+    (16, 1024, 8, 3, "rowsum"),
+    (4, 1024, 4, 3, "rowsum"),
+    (32, 512, 8, 3, "rowsum"),
+    (64, 256, 8, 3, "rowsum"),
+    (16, 512, 8, 4, "rowsum"),
+    (8, 512, 4, 1, "rowsum"),
+    (32, 128, 4, 4, "rowsum"),
+    (64, 128, 4, 3, "swapped"),
+    (64, 128, 4, 5, "swapped"),
+    (64, 256, 4, 3, "swapped"),
+    (64, 256, 4, 4, "swapped"),
+    (128, 128, 4, 3, "swapped"),
+    (128, 128, 4, 5, "swapped"),
+    (128, 256, 4, 3, "swapped"),
+    (128, 128, 8, 4, "swapped"),
+    (64, 512, 4, 2, "swapped"),
+    (32, 256, 4, 4, "swapped"),
 )
-"""(BN, BK, num_warps, num_stages[, "fma": the kernel without tensor cores])."""
+"""(BN, BK, num_warps, num_stages[, "fma": the kernel without tensor cores, (BN, BK) partials | "rowsum": the same
+with a (BN,) accumulator reduced every K step | "swapped": tensor cores with the weight rows on the MMA's M side])."""
+
+
+def tried_kernels():
+    """Two kernels tried in the twelfth session and not kept in the pack (both slower than the FMA kernel):
+    ``rowsum`` (a (BN,) accumulator reduced every K step: fewer registers, more programs in flight) and
+    ``swapped`` (tensor cores with the weight rows on the MMA's M side: no per-element conversion)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _shared_input_gemv_rowsum_kernel(x_ptr, x_scale_ptr, w_table, s_table, b_table, out_ptr, n,
+                                         ROWS: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,  # noqa: N803
+                                         BK: tl.constexpr, QUANTIZED_X: tl.constexpr,  # noqa: N803
+                                         HAS_BIAS: tl.constexpr):  # noqa: N803
+        """The FMA product with a (BN,) float32 accumulator per input row, reduced over each K step: fewer
+        registers per program than :func:`_shared_input_gemv_fma_kernel`'s (BN, BK) partials, so more programs
+        (and weight loads) in flight per SM."""
+        layer = tl.program_id(1)
+        w_ptr = tl.load(w_table + layer).to(tl.pointer_type(tl.float8e4nv))
+        s_ptr = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        n_ok = offs_n < n
+        acc0 = tl.zeros((BN,), dtype=tl.float32)
+        acc1 = tl.zeros((BN,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :], mask=n_ok[:, None],
+                        other=0.0).to(tl.float32)  # fmt: skip
+            acc0 += tl.sum(w * tl.load(x_ptr + k0 + offs_k).to(tl.float32)[None, :], axis=1)
+            if ROWS > 1:
+                acc1 += tl.sum(w * tl.load(x_ptr + K + k0 + offs_k).to(tl.float32)[None, :], axis=1)
+        scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+        bias = tl.zeros((BN,), dtype=tl.float32)
+        if HAS_BIAS:
+            b_ptr = tl.load(b_table + layer).to(tl.pointer_type(tl.bfloat16))
+            bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        for r in tl.static_range(ROWS):
+            y = acc0 if r == 0 else acc1
+            if QUANTIZED_X:
+                y = y * tl.load(x_scale_ptr + r)
+            y = y * scale + bias
+            tl.store(out_ptr + (layer.to(tl.int64) * ROWS + r) * n + offs_n, y.to(tl.bfloat16), mask=n_ok)
+
+    @triton.jit
+    def _shared_input_gemv_swapped_kernel(x_ptr, x_scale_ptr, w_table, s_table, b_table, out_ptr, n,
+                                          ROWS: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,  # noqa: N803
+                                          BN: tl.constexpr, BK: tl.constexpr,  # noqa: N803
+                                          HAS_BIAS: tl.constexpr):  # noqa: N803
+        """The tensor-core product transposed: acc (BN, BR) = w (BN, BK) . x^T (BK, BR), so the weight rows
+        are the MMA's M side (64 / 128: Hopper's warpgroup MMA) and the few input rows, padded to BR, its N
+        side. e4m3 x e4m3 (quantized input only); no per-element conversion of the weight."""
+        layer = tl.program_id(1)
+        w_ptr = tl.load(w_table + layer).to(tl.pointer_type(tl.float8e4nv))
+        s_ptr = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        offs_r = tl.arange(0, BR)
+        offs_k = tl.arange(0, BK)
+        n_ok = offs_n < n
+        r_ok = offs_r < ROWS
+        acc = tl.zeros((BN, BR), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :], mask=n_ok[:, None],
+                        other=0.0)  # fmt: skip
+            xt = tl.load(x_ptr + offs_r[None, :] * K + (k0 + offs_k)[:, None], mask=r_ok[None, :], other=0.0)
+            acc = tl.dot(w, xt, acc)
+        acc = acc * tl.load(x_scale_ptr + offs_r, mask=r_ok, other=0.0)[None, :]
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+        if HAS_BIAS:
+            b_ptr = tl.load(b_table + layer).to(tl.pointer_type(tl.bfloat16))
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        out = out_ptr + layer.to(tl.int64) * ROWS * n + offs_r[None, :] * n + offs_n[:, None]
+        tl.store(out, acc.to(tl.bfloat16), mask=n_ok[:, None] & r_ok[None, :])
+
+    def launch(group, x: torch.Tensor, config: tuple) -> torch.Tensor:
+        """``group(x)`` (a :class:`SharedInputLinears`) through one of the tried kernels."""
+        rows, k = x.shape
+        n = group.out_features
+        x_in, x_scale = group.layers[0].quantize_input(x.contiguous())
+        x_scale = x_scale.reshape(-1).float().expand(rows).contiguous()
+        out = torch.empty((len(group.layers), rows, n), dtype=torch.bfloat16, device=x.device)
+        block_n, block_k, warps, stages, kind = config
+        grid = (triton.cdiv(n, block_n), len(group.layers))
+        common = {"ROWS": rows, "K": k, "BN": block_n, "BK": block_k, "num_warps": warps, "num_stages": stages,
+                  "HAS_BIAS": group.layers[0].bias is not None}
+        if kind == "swapped":
+            _shared_input_gemv_swapped_kernel[grid](x_in, x_scale, group._w_table, group._s_table, group._b_table,
+                                                    out, n, BR=16, **common)
+        else:
+            _shared_input_gemv_rowsum_kernel[grid](x_in, x_scale, group._w_table, group._s_table, group._b_table,
+                                                   out, n, QUANTIZED_X=True, **common)
+        return out
+
+    return launch
+
+
+def read_probe(layers, device):
+    """What reading the 120 weights alone takes: a Triton kernel that sums each program's bytes (the weights'
+    read bandwidth on this GPU, the floor of any kernel that reads them once)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read_kernel(table, out, numel, BLOCK: tl.constexpr):  # noqa: N803
+        ptr = tl.load(table + tl.program_id(1)).to(tl.pointer_type(tl.uint8))
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(ptr + offs, mask=offs < numel, other=0)
+        tl.store(out + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.sum(v.to(tl.int32), axis=0))
+
+    table = torch.tensor([layer.weight.data_ptr() for layer in layers], dtype=torch.int64, device=device)
+    numel = layers[0].weight.numel()
+
+    def run(block: int) -> torch.Tensor:
+        grid = (triton.cdiv(numel, block), len(layers))
+        out = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=device)
+        _read_kernel[grid](table, out, numel, BLOCK=block, num_warps=8)
+        return out
+
+    return run
 
 
 def main() -> int:
@@ -63,18 +206,23 @@ def main() -> int:
         with torch.no_grad():
             want = torch.stack([layer(x) for layer in layers]).float()
         fns = {"120 x ScaledMMLinear": lambda x=x: [layer(x) for layer in layers]}
+        probe = read_probe(layers, device)
+        for block in (4096, 16384):
+            fns[f"read probe (bytes summed, {block} per program)"] = lambda block=block, probe=probe: probe(block)
         errors = {}
+        tried = tried_kernels()
         for config in CONFIGS:
             group = SharedInputLinears(layers)
             group.config = config
+            call = group if config[4:] in ((), ("fma",)) else lambda x, g=group, c=config, t=tried: t(g, x, c)
             try:
-                got = group(x).float()
+                got = call(x).float()
             except Exception as exc:  # a configuration Triton cannot compile is reported, not fatal
                 errors[str(config)] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 continue
             errors[str(config)] = ((got - want).norm() / want.norm()).item()
             name = f"shared-input BN {config[0]} BK {config[1]} w{config[2]} s{config[3]} {''.join(config[4:])}"
-            fns[name] = lambda g=group, x=x: g(x)
+            fns[name] = lambda call=call, x=x: call(x)
         replays = {name: hc.capture_cuda_graph(fn, warmups=1)[0].replay for name, fn in fns.items()}
         times: dict[str, list[float]] = {name: [] for name in replays}
         for _ in range(5):
