@@ -69,30 +69,25 @@ def requantize_in_place(variant: torch.nn.Module, base_module: torch.nn.Module, 
     from .fast.qkv import fused_rows
 
     base_params = dict(base_module.named_parameters())
-    plan = []
+    plan = []  # (owner, attribute, new value, the owner's rows it fills: all, or a fused Q/K/V layer's slice)
     for name in sorted(names):
         owner_name, _, attr = name.rpartition(".")
         fused = fused_rows(variant, owner_name) if owner_name and not _has_submodule(variant, owner_name) else None
         if fused is not None:  # a Q/K/V projection fused into one layer: its rows of that layer
-            plan.append((fused, attr, base_params[name]))
+            plan.append((fused[0], attr, base_params[name], fused[1]))
             continue
         owner = variant.get_submodule(owner_name) if owner_name else variant
-        if isinstance(owner, Fp8Linear):
-            plan.append((owner, attr, base_params[name]))
-        elif type(owner).__name__ == "TeLinear":
+        if type(owner).__name__ == "TeLinear":
             return False
-        else:
-            plan.append((owner, attr, base_params[name]))
-    for owner, attr, source in plan:
-        if isinstance(owner, tuple):
-            _requantize_rows(*owner, attr, source)
-        elif isinstance(owner, Fp8Linear) and attr == "weight":
+        plan.append((owner, attr, base_params[name], ...))
+    for owner, attr, source, rows in plan:
+        if isinstance(owner, Fp8Linear) and attr == "weight":
             tensorwise = isinstance(owner, ScaledMMLinear) and owner.granularity == "tensorwise"
             weight, scale = quantize_tensorwise(source) if tensorwise else quantize_rowwise(source)
-            owner.weight.copy_(weight)
-            owner.weight_scale.copy_(scale.reshape(owner.weight_scale.shape))
+            owner.weight[rows].copy_(weight)
+            owner.weight_scale[rows].copy_(scale.reshape(owner.weight_scale[rows].shape))
         else:
-            getattr(owner, attr).copy_(source)
+            getattr(owner, attr)[rows].copy_(source)
     return True
 
 
@@ -103,14 +98,3 @@ def _has_submodule(module: torch.nn.Module, name: str) -> bool:
         return False
     return True
 
-
-def _requantize_rows(fused: torch.nn.Module, rows: slice, attr: str, source: torch.Tensor) -> None:
-    """Write one projection's new weight (row-wise quantized) or bias into its rows of a fused Q/K/V layer."""
-    from ..fp8 import quantize_rowwise
-
-    if attr == "weight":
-        weight, scale = quantize_rowwise(source)
-        fused.weight[rows].copy_(weight)
-        fused.weight_scale[rows].copy_(scale.reshape(fused.weight_scale[rows].shape))
-    else:
-        getattr(fused, attr)[rows].copy_(source)
