@@ -113,7 +113,7 @@ def fuse_fp8_qkv(dit: nn.Module, streams: tuple[str, ...] = FP8_FUSED_STREAMS, k
         dit: a DiffSynth ``QwenImageDiT`` whose projections are row-wise ``ScaledMMLinear`` (fp8 weight
             [N, K] e4m3, scale [N, 1] float32, bias [N] bf16); blocks whose three differ in type, shape or
             settings (Transformer Engine, weight-only, tensor-wise) are left as they are.
-        streams: "image" and / or "text".
+        streams: "image" and / or "text" (anything else: ValueError naming the allowed values).
         keep_separate: keep the three projections beside the fused layer (A/B benches, :data:`USE_FUSED`);
             the fp8 weights are then held twice.
 
@@ -123,6 +123,10 @@ def fuse_fp8_qkv(dit: nn.Module, streams: tuple[str, ...] = FP8_FUSED_STREAMS, k
     """
     from ...fp8.linear import ScaledMMLinear
 
+    unknown = [stream for stream in streams if stream not in STREAM_LAYERS]
+    if unknown or isinstance(streams, str):
+        raise ValueError(f"fuse_fp8_qkv: streams must be a tuple of {', '.join(map(repr, STREAM_LAYERS))}, got "
+                         f"{streams!r}")
     created = 0
     for index, block in enumerate(dit.transformer_blocks):
         attn = block.attn

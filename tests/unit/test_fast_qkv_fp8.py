@@ -104,3 +104,12 @@ def test_fused_rows_names_the_rows_of_each_projection(base):
     assert layer is fused.transformer_blocks[1].attn.add_qkv_proj and rows == slice(128, 192)
     assert qkv.fused_rows(fused, "transformer_blocks.1.attn.to_q") is None  # image stream: not fused
     assert qkv.fused_rows(fused, "transformer_blocks.1.img_mlp.net.0.proj") is None
+
+
+@pytest.mark.parametrize("streams", [("text", "audio"), "text"], ids=["unknown", "a bare string"])
+def test_unknown_streams_are_refused_before_anything_changes(base, streams):
+    variant = build_fp8_dit(base, ROWWISE, fused_qkv=())
+    with pytest.raises(ValueError, match="streams must be a tuple of 'image', 'text'"):
+        qkv.fuse_fp8_qkv(variant, streams)
+    assert hasattr(variant.transformer_blocks[0].attn, "add_q_proj")
+    assert not hasattr(variant.transformer_blocks[0].attn, "add_qkv_proj")
