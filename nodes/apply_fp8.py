@@ -176,6 +176,7 @@ class ApplyFP8(io.ComfyNode):
     ) -> io.NodeOutput:
         from ..fp8 import plan_linears
         from ..qwen_edit.checkpoints.shapes import dit_on_meta
+        from ..qwen_edit.fast.qkv import fused_in_plan
 
         if not isinstance(pipe, PipePlan):
             raise NodeInputError("pipe: expected the output of Load Qwen Edit")
@@ -189,6 +190,9 @@ class ApplyFP8(io.ComfyNode):
         for decision in decisions:
             counts[decision.action] = counts.get(decision.action, 0) + 1
         lines.append(", ".join(f"{n} {action}" for action, n in sorted(counts.items())))
+        fused = fused_in_plan(decisions, config.backend)
+        if fused:
+            lines.append(f"text Q/K/V: one fused row-wise GEMM per block in {fused} blocks (add_qkv_proj)")
         reasons: dict[tuple[str, str], list[str]] = {}
         for decision in decisions:
             reasons.setdefault((decision.action, decision.reason), []).append(decision.name)

@@ -113,3 +113,15 @@ def test_unknown_streams_are_refused_before_anything_changes(base, streams):
         qkv.fuse_fp8_qkv(variant, streams)
     assert hasattr(variant.transformer_blocks[0].attn, "add_q_proj")
     assert not hasattr(variant.transformer_blocks[0].attn, "add_qkv_proj")
+
+
+def test_the_plan_says_how_many_blocks_will_be_fused(base):
+    from qwen_edit_hopper.fp8 import plan_linears
+
+    blocks = len(base.transformer_blocks)
+    assert qkv.fused_in_plan(plan_linears(base, ROWWISE), ROWWISE.backend) == blocks
+    assert build_fp8_dit(base, ROWWISE).fused_qkv_layers == blocks  # what the plan announced
+    attention_bf16 = Fp8Config(backend="scaled_mm_rowwise", preset="mlp only", emulate=True)
+    assert qkv.fused_in_plan(plan_linears(base, attention_bf16), attention_bf16.backend) == 0
+    tensorwise = Fp8Config(backend="scaled_mm_tensorwise", preset="attn+mlp+mod compute", emulate=True)
+    assert qkv.fused_in_plan(plan_linears(base, tensorwise), tensorwise.backend) == 0
