@@ -35,7 +35,8 @@ from .attention.triton_fp8 import interpreter_active
 from .linear import Fp8Linear, ScaledMMLinear, WeightOnlyLinear
 from .quant import FP8_DTYPE
 
-__all__ = ["BLOCK_K", "MAX_ROWS", "SharedInputLinears", "reference_shared_input", "shared_input_problem"]
+__all__ = ["BLOCK_K", "FMA_CONFIG", "MAX_ROWS", "ONE_ROW_CONFIG", "SharedInputLinears", "reference_shared_input",
+           "shared_input_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,14 @@ BLOCK_K = 256
 DOT_CONFIG = (64, 128, 4, 4)
 """(BN, BK, num_warps, num_stages) of the tensor-core kernel: 3.59 ms for the 120 modulation linears at one or two
 rows (1.9 TB/s), against 5.1 ms for 120 ``ScaledMMLinear`` calls (H200, ``bench/modulation_bench.py``)."""
-ONE_ROW_CONFIG = (16, 256, 4, 1, "fma")
-"""The kernel without tensor cores for one input row: 3.07 ms (2.2 TB/s) in the same run (4.4 ms at two rows)."""
+ONE_ROW_CONFIG = (4, 1024, 2, 2, "rowsum")
+"""For one input row: the kernel without tensor cores that reduces each K step into a (BN,) accumulator, 4 weight
+rows x 1024 columns per step, 2 warps, 2 stages: 2.74 ms (2.48 TB/s) for the 120 modulation linears, against
+3.05 ms for :data:`FMA_CONFIG` (H200, ``bench/modulation_bench.py``, twelfth session). Needs K % 1024 == 0;
+other K take :data:`FMA_CONFIG`."""
+FMA_CONFIG = (16, 256, 4, 1, "fma")
+"""The kernel without tensor cores with (BN, BK) float32 partials: 3.07 ms (2.2 TB/s) for one row in the sixth
+session's run (4.4 ms at two rows); the one-row choice where K is not a multiple of 1024."""
 
 try:
     import triton
@@ -181,6 +188,40 @@ if triton is not None:
             tl.store(out_ptr + (layer.to(tl.int64) * ROWS + r) * n + offs_n, y.to(tl.bfloat16), mask=n_ok)
 
 
+    @triton.jit
+    def _shared_input_gemv_rowsum_kernel(x_ptr, x_scale_ptr, w_table, s_table, b_table, out_ptr, n,
+                                         ROWS: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,  # noqa: N803
+                                         BK: tl.constexpr, QUANTIZED_X: tl.constexpr,  # noqa: N803
+                                         HAS_BIAS: tl.constexpr):  # noqa: N803
+        """The FMA product with a (BN,) float32 accumulator per input row, reduced over each K step: fewer
+        registers per program than :func:`_shared_input_gemv_fma_kernel`'s (BN, BK) partials, so more programs
+        (and weight loads) in flight per SM."""
+        layer = tl.program_id(1)
+        w_ptr = tl.load(w_table + layer).to(tl.pointer_type(tl.float8e4nv))
+        s_ptr = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        n_ok = offs_n < n
+        acc0 = tl.zeros((BN,), dtype=tl.float32)
+        acc1 = tl.zeros((BN,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :], mask=n_ok[:, None],
+                        other=0.0).to(tl.float32)  # fmt: skip
+            acc0 += tl.sum(w * tl.load(x_ptr + k0 + offs_k).to(tl.float32)[None, :], axis=1)
+            if ROWS > 1:
+                acc1 += tl.sum(w * tl.load(x_ptr + K + k0 + offs_k).to(tl.float32)[None, :], axis=1)
+        scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+        bias = tl.zeros((BN,), dtype=tl.float32)
+        if HAS_BIAS:
+            b_ptr = tl.load(b_table + layer).to(tl.pointer_type(tl.bfloat16))
+            bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        for r in tl.static_range(ROWS):
+            y = acc0 if r == 0 else acc1
+            if QUANTIZED_X:
+                y = y * tl.load(x_scale_ptr + r)
+            y = y * scale + bias
+            tl.store(out_ptr + (layer.to(tl.int64) * ROWS + r) * n + offs_n, y.to(tl.bfloat16), mask=n_ok)
+
 class SharedInputLinears:
     """A group of fp8 linears (same shape and kind) applied to one input in one kernel launch.
 
@@ -197,8 +238,8 @@ class SharedInputLinears:
         self.quantized_input = _kind(self.layers[0]) == "scaled_mm"
         self.out_features, self.in_features = self.layers[0].weight.shape
         self.config: tuple | None = None
-        """None: :data:`ONE_ROW_CONFIG` for one input row, :data:`DOT_CONFIG` otherwise; or (BN, BK, num_warps,
-        num_stages[, "fma"]) (``bench/modulation_bench.py`` compares configurations)."""
+        """None: :data:`ONE_ROW_CONFIG` (or :data:`FMA_CONFIG`) for one input row, :data:`DOT_CONFIG` otherwise; or
+        (BN, BK, num_warps, num_stages[, "fma" | "rowsum"]) (``bench/modulation_bench.py`` compares them)."""
         self._tables()
 
     def _tensors(self) -> tuple[tuple[torch.Tensor, ...], ...]:
@@ -232,11 +273,16 @@ class SharedInputLinears:
             x_in, x_scale = x, x  # the scale pointer is unused
         n = self.out_features
         out = torch.empty((len(self.layers), rows, n), dtype=torch.bfloat16, device=x.device)
-        config = self.config or (ONE_ROW_CONFIG if rows == 1 else DOT_CONFIG)
+        config = self.config or (DOT_CONFIG if rows > 1 else ONE_ROW_CONFIG if k % ONE_ROW_CONFIG[1] == 0
+                                 else FMA_CONFIG)
         block_n, block_k, warps, stages = config[:4]
+        if k % block_k:
+            raise ValueError(f"shared-input fp8 linears: config {config} steps through K {block_k} at a time, "
+                             f"which does not divide in_features={k}")
         grid = (triton.cdiv(n, block_n), len(self.layers))
         if len(config) > 4 and rows <= 2:
-            _shared_input_gemv_fma_kernel[grid](
+            kernel = _shared_input_gemv_rowsum_kernel if config[4] == "rowsum" else _shared_input_gemv_fma_kernel
+            kernel[grid](
                 x_in, x_scale, self._w_table, self._s_table, self._b_table, out, n, ROWS=rows, K=k, BN=block_n,
                 BK=block_k, QUANTIZED_X=self.quantized_input, HAS_BIAS=self.layers[0].bias is not None,
                 num_warps=warps, num_stages=stages,

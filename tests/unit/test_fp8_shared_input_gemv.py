@@ -67,7 +67,10 @@ g = torch.Generator().manual_seed(0)
 rows_out = []
 for kind, rows, bias, config in (("rowwise", 1, True, None), ("rowwise", 2, False, None),
                                  ("rowwise", 2, True, (64, 128, 4, 4)), ("weight_only", 1, True, None),
-                                 ("weight_only", 3, True, None)):
+                                 ("rowwise", 1, True, (4, 128, 2, 2, "rowsum")),
+                                 ("rowwise", 2, False, (4, 128, 2, 2, "rowsum")),
+                                 ("weight_only", 1, True, (4, 128, 2, 2, "rowsum")),
+                                 ("weight_only", 3, True, None)):  # the last group and x: the refusals below
     layers = []
     for i in range(3):
         lin = torch.nn.Linear(256, 96, bias=bias).to(torch.bfloat16)
@@ -92,6 +95,12 @@ for bad in (x.float(), x[:, :128], torch.randn(5, 256).bfloat16(), x[:0]):
         refusals.append("accepted")
     except ValueError as exc:
         refusals.append(str(exc))
+group.config = (4, 1024, 2, 2, "rowsum")  # steps of 1024 through K = 256: refused, not read out of bounds
+try:
+    group(x)
+    refusals.append("accepted")
+except ValueError as exc:
+    refusals.append(str(exc))
 print(json.dumps({"rows": rows_out, "refusals": refusals}))
 """
 
@@ -99,11 +108,13 @@ print(json.dumps({"rows": rows_out, "refusals": refusals}))
 def test_kernels_under_the_interpreter_match_the_reference():
     probe = run_probe(_PROBE)
     result = probe["rows"]
-    assert [r[2] for r in result] == [[3, 1, 96], [3, 2, 96], [3, 2, 96], [3, 1, 96], [3, 3, 96]]
+    assert [r[2] for r in result] == [[3, 1, 96], [3, 2, 96], [3, 2, 96], [3, 1, 96], [3, 1, 96], [3, 2, 96],
+                                      [3, 1, 96], [3, 3, 96]]
     assert all(r[3] for r in result), result
     # float32 input, the wrong K, more rows than the kernel takes, no rows: each refused with what it takes
     refusals = probe["refusals"]
-    assert len(refusals) == 4 and "accepted" not in refusals, refusals
-    assert all("(R <= 4, 256) bf16 input" in r for r in refusals), refusals
+    assert len(refusals) == 5 and "accepted" not in refusals, refusals
+    assert all("(R <= 4, 256) bf16 input" in r for r in refusals[:4]), refusals
+    assert "does not divide in_features=256" in refusals[4]
     assert "torch.float32 (3, 256)" in refusals[0] and "(3, 128)" in refusals[1]
     assert "(5, 256)" in refusals[2] and "(0, 256)" in refusals[3]
