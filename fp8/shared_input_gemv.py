@@ -55,7 +55,8 @@ rows x 1024 columns per step, 2 warps, 2 stages: 2.74 ms (2.48 TB/s) for the 120
 other K take :data:`FMA_CONFIG`."""
 FMA_CONFIG = (16, 256, 4, 1, "fma")
 """The kernel without tensor cores with (BN, BK) float32 partials: 3.07 ms (2.2 TB/s) for one row in the sixth
-session's run (4.4 ms at two rows); the one-row choice where K is not a multiple of 1024."""
+session's run (4.4 ms at two rows), 2.82 ms since the scale and bias are read after the K loop (twelfth
+session); the one-row choice where K is not a multiple of 1024."""
 
 try:
     import triton
@@ -158,58 +159,31 @@ if triton is not None:
     def _shared_input_gemv_fma_kernel(x_ptr, x_scale_ptr, w_table, s_table, b_table, out_ptr, n,
                                       ROWS: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,  # noqa: N803
                                       BK: tl.constexpr, QUANTIZED_X: tl.constexpr,  # noqa: N803
-                                      HAS_BIAS: tl.constexpr):  # noqa: N803
-        """The same product without tensor cores: (BN, BK) float32 partial products per input row, summed over
-        K at the end (one reduction per row instead of one per K step)."""
+                                      HAS_BIAS: tl.constexpr, ROW_SUM: tl.constexpr):  # noqa: N803
+        """The same product without tensor cores, per input row: with ``ROW_SUM`` a (BN,) float32 accumulator
+        that each K step's products are reduced into (few registers per program, so more programs and weight
+        loads in flight per SM: the one-row default), else (BN, BK) float32 partials summed over K at the end
+        (one reduction per row instead of one per K step)."""
         layer = tl.program_id(1)
         w_ptr = tl.load(w_table + layer).to(tl.pointer_type(tl.float8e4nv))
         s_ptr = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)
         n_ok = offs_n < n
-        scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
-        bias = tl.zeros((BN,), dtype=tl.float32)
-        if HAS_BIAS:
-            b_ptr = tl.load(b_table + layer).to(tl.pointer_type(tl.bfloat16))
-            bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        acc0 = tl.zeros((BN, BK), dtype=tl.float32)
-        acc1 = tl.zeros((BN, BK), dtype=tl.float32)
+        if ROW_SUM:
+            acc0 = tl.zeros((BN,), dtype=tl.float32)
+            acc1 = tl.zeros((BN,), dtype=tl.float32)
+        else:
+            acc0 = tl.zeros((BN, BK), dtype=tl.float32)
+            acc1 = tl.zeros((BN, BK), dtype=tl.float32)
         for k0 in range(0, K, BK):
             w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :], mask=n_ok[:, None],
                         other=0.0).to(tl.float32)  # fmt: skip
-            acc0 += w * tl.load(x_ptr + k0 + offs_k).to(tl.float32)[None, :]
+            p0 = w * tl.load(x_ptr + k0 + offs_k).to(tl.float32)[None, :]
+            acc0 += tl.sum(p0, axis=1) if ROW_SUM else p0
             if ROWS > 1:
-                acc1 += w * tl.load(x_ptr + K + k0 + offs_k).to(tl.float32)[None, :]
-        for r in tl.static_range(ROWS):
-            y = tl.sum(acc0 if r == 0 else acc1, axis=1)
-            if QUANTIZED_X:
-                y = y * tl.load(x_scale_ptr + r)
-            y = y * scale + bias
-            tl.store(out_ptr + (layer.to(tl.int64) * ROWS + r) * n + offs_n, y.to(tl.bfloat16), mask=n_ok)
-
-
-    @triton.jit
-    def _shared_input_gemv_rowsum_kernel(x_ptr, x_scale_ptr, w_table, s_table, b_table, out_ptr, n,
-                                         ROWS: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,  # noqa: N803
-                                         BK: tl.constexpr, QUANTIZED_X: tl.constexpr,  # noqa: N803
-                                         HAS_BIAS: tl.constexpr):  # noqa: N803
-        """The FMA product with a (BN,) float32 accumulator per input row, reduced over each K step: fewer
-        registers per program than :func:`_shared_input_gemv_fma_kernel`'s (BN, BK) partials, so more programs
-        (and weight loads) in flight per SM."""
-        layer = tl.program_id(1)
-        w_ptr = tl.load(w_table + layer).to(tl.pointer_type(tl.float8e4nv))
-        s_ptr = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
-        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-        offs_k = tl.arange(0, BK)
-        n_ok = offs_n < n
-        acc0 = tl.zeros((BN,), dtype=tl.float32)
-        acc1 = tl.zeros((BN,), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :], mask=n_ok[:, None],
-                        other=0.0).to(tl.float32)  # fmt: skip
-            acc0 += tl.sum(w * tl.load(x_ptr + k0 + offs_k).to(tl.float32)[None, :], axis=1)
-            if ROWS > 1:
-                acc1 += tl.sum(w * tl.load(x_ptr + K + k0 + offs_k).to(tl.float32)[None, :], axis=1)
+                p1 = w * tl.load(x_ptr + K + k0 + offs_k).to(tl.float32)[None, :]
+                acc1 += tl.sum(p1, axis=1) if ROW_SUM else p1
         scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
         bias = tl.zeros((BN,), dtype=tl.float32)
         if HAS_BIAS:
@@ -217,10 +191,13 @@ if triton is not None:
             bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         for r in tl.static_range(ROWS):
             y = acc0 if r == 0 else acc1
+            if not ROW_SUM:
+                y = tl.sum(y, axis=1)
             if QUANTIZED_X:
                 y = y * tl.load(x_scale_ptr + r)
             y = y * scale + bias
             tl.store(out_ptr + (layer.to(tl.int64) * ROWS + r) * n + offs_n, y.to(tl.bfloat16), mask=n_ok)
+
 
 class SharedInputLinears:
     """A group of fp8 linears (same shape and kind) applied to one input in one kernel launch.
@@ -281,11 +258,10 @@ class SharedInputLinears:
                              f"which does not divide in_features={k}")
         grid = (triton.cdiv(n, block_n), len(self.layers))
         if len(config) > 4 and rows <= 2:
-            kernel = _shared_input_gemv_rowsum_kernel if config[4] == "rowsum" else _shared_input_gemv_fma_kernel
-            kernel[grid](
+            _shared_input_gemv_fma_kernel[grid](
                 x_in, x_scale, self._w_table, self._s_table, self._b_table, out, n, ROWS=rows, K=k, BN=block_n,
                 BK=block_k, QUANTIZED_X=self.quantized_input, HAS_BIAS=self.layers[0].bias is not None,
-                num_warps=warps, num_stages=stages,
+                ROW_SUM=config[4] == "rowsum", num_warps=warps, num_stages=stages,
             )  # fmt: skip
             return out
         _shared_input_gemv_kernel[grid](
