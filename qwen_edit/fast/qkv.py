@@ -174,9 +174,11 @@ def fused_in_plan(decisions, backend: str, streams: tuple[str, ...] = FP8_FUSED_
     """How many Q/K/V layer triples ``build_fp8_dit`` will fuse, read from ``fp8.plan_linears`` decisions
     (names and actions, before anything is built): for the row-wise scaled-mm backend, the blocks whose three
     projections of a fused stream are all in fp8 compute."""
+    from ...fp8.swap import COMPUTE
+
     if backend != "scaled_mm_rowwise":
         return 0
-    compute = {d.name for d in decisions if d.action == "fp8 compute"}
+    compute = {d.name for d in decisions if d.action == COMPUTE}
     blocks = {name.split(".")[1] for name in compute if name.startswith("transformer_blocks.")}
     return sum(all(f"transformer_blocks.{b}.attn.{name}" in compute for name in STREAM_LAYERS[stream][0])
                for stream in streams for b in blocks)
