@@ -20,6 +20,9 @@ and power drift hit all variants alike. Variants:
 * with ``--text`` instead: the text stream's Q/K/V as three GEMMs or as one fused GEMM
   (:func:`qwen_edit.fast.qkv.fuse_fp8_qkv`), and its MLP down-projection split over K in two
   (``fp8.small_m_gemm.SPLIT_K``);
+* with ``--residual`` instead: the gated residual updates after the output projections unfused (the twelfth
+  session's forward) or in the cuBLASLt epilogue (``fast.residual_gemm.SITES``), then also the image stream's
+  Q/K/V as one GEMM (``qkv.USE_FUSED``), then also shared-input modulation;
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
   (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
   timed a cross-block residual update, since removed: docs/experiments/forward.md.)
@@ -81,6 +84,15 @@ TEXT_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 9th field: the text
     ("text Q/K/V: one GEMM; down-projection split-K", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True,
      True),
 )
+RESIDUAL_VARIANTS = (  # small-M GEMMs and CUDA graphs; 9th field: qkv.USE_FUSED, 11th: residual_gemm.SITES
+    ("residual updates unfused", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, ("text",), SHIPPED, ()),
+    ("residual updates in the GEMM epilogue", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, ("text",),
+     SHIPPED, ("attention", "mlp")),
+    ("epilogue + image Q/K/V one GEMM", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, ("image", "text"),
+     SHIPPED, ("attention", "mlp")),
+    ("epilogue + image Q/K/V + shared-input modulation", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED,
+     ("image", "text"), SHIPPED, ("attention", "mlp")),
+)
 GEMM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 7th field: ScaledMMLinear.gemm_kernel
     ("torch._scaled_mm GEMMs", False, True, True, SHIPPED, SHIPPED, "torch"),
     ("workspace-free cuBLASLt GEMMs", False, True, True, SHIPPED, SHIPPED, "cublaslt"),
@@ -111,20 +123,28 @@ def main() -> int:
                         help="with --text: the down-projection's split-K tile config (default: the pack's)")
     parser.add_argument("--norm", action="store_true",
                         help="instead: the LayerNorm kernel, one-row or multi-row")
+    parser.add_argument("--residual", action="store_true",
+                        help="instead: residual updates unfused or in the GEMM epilogue, image Q/K/V fused, "
+                             "shared-input modulation")  # fmt: skip
+    parser.add_argument("--only", metavar="I,J", help="run only these variants (0-based indices of the mode's list)")
     args = parser.parse_args()
     variants = (NORM_VARIANTS if args.norm else SCALAR_VARIANTS if args.scalars else GEMM_VARIANTS if args.gemm
                 else QK_BOUND_VARIANTS if args.qk_bound else TEXT_VARIANTS if args.text
+                else RESIDUAL_VARIANTS if args.residual
                 else VARIANTS + (MODULATION_VARIANTS if args.modulation else ()))  # fmt: skip
+    if args.only:
+        variants = tuple(variants[int(i)] for i in args.only.split(","))
     load_pack()
     from qwen_edit_hopper.fp8 import norm_quant, small_m_gemm
     from qwen_edit_hopper.fp8.linear import ScaledMMLinear
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
-    from qwen_edit_hopper.qwen_edit.fast import fp8_attention, graphs, modulation, qkv
+    from qwen_edit_hopper.qwen_edit.fast import fp8_attention, graphs, modulation, qkv, residual_gemm
 
     shipped_rows, shipped_scalars = norm_quant.DEFAULT_ROWS, fp8_attention.V_KERNEL_SCALARS
     shipped_qk_bound = fp8_attention.QK_KERNEL_BOUND
     shipped_split_k = small_m_gemm.SPLIT_K
+    shipped_sites, shipped_fused = residual_gemm.SITES, qkv.USE_FUSED
     if args.split_k_config:
         small_m_gemm.SPLIT_K_CONFIGS[(12288, 3072)] = tuple(int(v) for v in args.split_k_config.split(","))
 
@@ -132,9 +152,12 @@ def main() -> int:
     base = hm.build_dit(hm.FULL, device)
     inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
     reference = hm.fast_forward(ff, base, inputs).float()
-    module = hm.fastest_fp8_dit(base, fused_qkv=() if args.text else None)
+    module = hm.fastest_fp8_dit(base, fused_qkv=() if args.text or args.residual else None)
     if args.text:  # both ways in one model: the three text projections and the fused layer beside them
         qkv.fuse_fp8_qkv(module, ("text",), keep_separate=True)
+    if args.residual:  # the text stream fused (shipped), the image stream both ways
+        qkv.fuse_fp8_qkv(module, ("text",))
+        qkv.fuse_fp8_qkv(module, ("image",), keep_separate=True)
     del base
     torch.cuda.empty_cache()
 
@@ -148,15 +171,18 @@ def main() -> int:
         gemm = shipped_gemm if not extra or extra[0] is SHIPPED else extra[0]
         qk_bound = shipped_qk_bound if len(extra) < 2 or extra[1] is SHIPPED else extra[1]
         text_qkv = True if len(extra) < 3 else extra[2]
-        split_k = shipped_split_k if len(extra) < 4 else extra[3]
-        signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, text_qkv, split_k)
+        use_fused = shipped_fused if text_qkv is True else () if text_qkv is False else text_qkv
+        split_k = shipped_split_k if len(extra) < 4 or extra[3] is SHIPPED else extra[3]
+        sites = shipped_sites if len(extra) < 5 else extra[4]
+        signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, use_fused, split_k, sites)
 
         def call():
             if current[0] != signature:  # not in a graph's signature
                 graphs.disable_cuda_graphs(module)
                 current[0] = signature
                 fp8_attention.QK_KERNEL_BOUND = qk_bound
-                qkv.USE_FUSED = text_qkv
+                qkv.USE_FUSED = use_fused
+                residual_gemm.SITES = sites
                 small_m_gemm.SPLIT_K = split_k
                 for layer in layers:
                     layer.gemm_kernel = gemm

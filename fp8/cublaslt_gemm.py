@@ -17,6 +17,12 @@ Problem (cuBLASLt is column-major; the row-major operands are read transposed, a
 [K, N], ld K), B = x8 ([K, M], ld = x8's row stride), D = out ([N, M], ld N), scale mode
 ``OUTER_VEC_32F`` on both, compute fp32, fast accumulation when asked.
 
+:func:`cublaslt_rowwise_mm_residual` poses the same problem with a bf16 residual C added (``beta = 1``) and an
+optional bf16 bias in cuBLASLt's epilogue: ``out = bf16(residual + x_scale[m] * col_scale[n] * acc + bias[n])``.
+With ``col_scale = w_scale * gate`` and ``bias = gate * layer bias`` that is a DiT block's gated residual update
+``x + gate * linear(h)`` in the GEMM's epilogue, without a pass of its own over the (M, N) output (one gate row
+for all M rows: the gate must not vary per token).
+
 Limits: CUDA, a cuBLASLt with outer-vector fp8 scaling (CUDA 12.9 or newer) on compute capability 9.0 or
 newer; x8 [M, K] float8_e4m3fn with unit column stride and a row stride that is a multiple of 16, x_scale
 [M, 1] float32, w8 [N, K] float8_e4m3fn contiguous, w_scale [N, 1] float32; K and N multiples of 16;
@@ -38,11 +44,13 @@ import torch
 from .errors import Fp8UnavailableError
 from .quant import FP8_DTYPE
 
-__all__ = ["CANDIDATES", "OP_NAME", "LtPlan", "cublaslt_problem", "cublaslt_rowwise_mm", "plan_for", "plans"]
+__all__ = ["CANDIDATES", "OP_NAME", "RESIDUAL_OP_NAME", "LtPlan", "cublaslt_problem", "cublaslt_rowwise_mm",
+           "cublaslt_rowwise_mm_residual", "plan_for", "plans", "reference_rowwise_residual"]
 
 logger = logging.getLogger(__name__)
 
 OP_NAME = "qwen_edit_hopper::cublaslt_rowwise_mm"
+RESIDUAL_OP_NAME = "qwen_edit_hopper::cublaslt_rowwise_mm_residual"
 
 CANDIDATES = 8
 """Heuristic results (workspace-free) timed per shape on its first call."""
@@ -56,6 +64,8 @@ _CUDA_R_16BF = 14
 _CUDA_R_8F_E4M3 = 28
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
+_DESC_EPILOGUE, _DESC_BIAS_POINTER = 7, 8
+_EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
 _DESC_FAST_ACCUM = 25
 _DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
@@ -185,8 +195,12 @@ class LtPlan:
 _PLANS: dict[tuple, LtPlan] = {}
 
 
+EPILOGUES = ("none", "residual", "residual+bias")
+"""A plan's epilogue: plain ``D = AB`` (scaled), ``D = AB + C``, or ``D = AB + C + bias``."""
+
+
 def plans() -> dict[tuple, LtPlan]:
-    """Every plan made so far: key (device index, M, N, K, x row stride, fast_accum) -> :class:`LtPlan`."""
+    """Every plan made so far: key (device index, M, N, K, x row stride, fast_accum, epilogue) -> :class:`LtPlan`."""
     return dict(_PLANS)
 
 
@@ -195,7 +209,7 @@ def _set(lib: _Library, setter, obj, attr: int, value: ctypes._SimpleCData, what
 
 
 def _new_plan(lib: _Library, key: tuple) -> LtPlan:
-    _, m, n, k, ldb, fast_accum = key
+    _, m, n, k, ldb, fast_accum, epilogue = key
     desc = ctypes.c_void_p()
     lib.check(lib.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F),
               "cublasLtMatmulDescCreate")
@@ -205,6 +219,8 @@ def _new_plan(lib: _Library, key: tuple) -> LtPlan:
     _set(lib, set_desc, desc, _DESC_FAST_ACCUM, ctypes.c_int8(1 if fast_accum else 0), "FAST_ACCUM")
     _set(lib, set_desc, desc, _DESC_A_SCALE_MODE, ctypes.c_int32(_SCALE_OUTER_VEC_32F), "A_SCALE_MODE")
     _set(lib, set_desc, desc, _DESC_B_SCALE_MODE, ctypes.c_int32(_SCALE_OUTER_VEC_32F), "B_SCALE_MODE")
+    if epilogue == "residual+bias":
+        _set(lib, set_desc, desc, _DESC_EPILOGUE, ctypes.c_uint32(_EPILOGUE_BIAS), "EPILOGUE")
     layouts = []
     for dtype, rows, cols, ld in ((_CUDA_R_8F_E4M3, k, n, k), (_CUDA_R_8F_E4M3, k, m, ldb), (_CUDA_R_16BF, n, m, n)):
         layout = ctypes.c_void_p()
@@ -229,9 +245,10 @@ def _heuristics(lib: _Library, plan: LtPlan, count: int) -> list[_Algo]:
         lib.lib.cublasLtMatmulPreferenceDestroy(pref)
     algos = [results[i].algo for i in range(returned.value) if results[i].state == 0]
     if not algos:
-        _, m, n, k, _, _ = plan.key
+        _, m, n, k, _, _, epilogue = plan.key
         raise Fp8UnavailableError(f"cuBLASLt GEMM: no workspace-free algorithm for M={m}, N={n}, K={k} "
-                                  f"(row-wise e4m3 -> bf16); use gemm_kernel='torch' for this model")
+                                  f"(row-wise e4m3 -> bf16, epilogue {epilogue}); "
+                                  f"use gemm_kernel='torch' for this model")
     return algos
 
 
@@ -247,39 +264,45 @@ def algo_config(algo: _Algo) -> dict:
     return out
 
 
-def _set_scales(lib: _Library, plan: LtPlan, x_scale: torch.Tensor, w_scale: torch.Tensor) -> None:
-    """Point the descriptor at this call's scale vectors (the heuristic also wants them set)."""
+def _set_scales(lib: _Library, plan: LtPlan, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> None:
+    """Point the descriptor at this call's scale vectors and bias (the heuristic also wants them set)."""
     set_desc = lib.lib.cublasLtMatmulDescSetAttribute
     _set(lib, set_desc, plan.desc, _DESC_A_SCALE_POINTER, ctypes.c_void_p(w_scale.data_ptr()), "A_SCALE_POINTER")
     _set(lib, set_desc, plan.desc, _DESC_B_SCALE_POINTER, ctypes.c_void_p(x_scale.data_ptr()), "B_SCALE_POINTER")
+    if bias is not None:
+        _set(lib, set_desc, plan.desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()), "BIAS_POINTER")
 
 
-def _launch(lib: _Library, plan: LtPlan, algo: _Algo, x8, x_scale, w8, w_scale, out) -> None:
-    _set_scales(lib, plan, x_scale, w_scale)
+def _launch(lib: _Library, plan: LtPlan, algo: _Algo, x8, x_scale, w8, w_scale, out, residual=None,
+            bias=None) -> None:
+    _set_scales(lib, plan, x_scale, w_scale, bias)
     a, b, d = plan.layouts
     stream = torch.cuda.current_stream(out.device).cuda_stream
+    c, beta = (out, _ZERO) if residual is None else (residual, _ONE)
     lib.check(lib.lib.cublasLtMatmul(lib.handle, plan.desc, ctypes.byref(_ONE), ctypes.c_void_p(w8.data_ptr()), a,
-                                     ctypes.c_void_p(x8.data_ptr()), b, ctypes.byref(_ZERO),
-                                     ctypes.c_void_p(out.data_ptr()), d, ctypes.c_void_p(out.data_ptr()), d,
+                                     ctypes.c_void_p(x8.data_ptr()), b, ctypes.byref(beta),
+                                     ctypes.c_void_p(c.data_ptr()), d, ctypes.c_void_p(out.data_ptr()), d,
                                      ctypes.byref(algo), None, 0, ctypes.c_void_p(stream)), "cublasLtMatmul")
 
 
 _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
 
-def _choose(lib: _Library, plan: LtPlan, algos: list[_Algo], x8, x_scale, w8, w_scale, out) -> None:
+def _choose(lib: _Library, plan: LtPlan, algos: list[_Algo], x8, x_scale, w8, w_scale, out, residual=None,
+            bias=None) -> None:
     """Time each candidate on the real operands (``out`` is overwritten) and keep the fastest."""
     timings = []
     for algo in algos:
         try:
-            _launch(lib, plan, algo, x8, x_scale, w8, w_scale, out)
+            _launch(lib, plan, algo, x8, x_scale, w8, w_scale, out, residual, bias)
         except Fp8UnavailableError:
             timings.append(float("inf"))
             continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(TIMING_REPS):
-            _launch(lib, plan, algo, x8, x_scale, w8, w_scale, out)
+            _launch(lib, plan, algo, x8, x_scale, w8, w_scale, out, residual, bias)
         end.record()
         end.synchronize()
         timings.append(start.elapsed_time(end) * 1000.0 / TIMING_REPS)
@@ -288,11 +311,15 @@ def _choose(lib: _Library, plan: LtPlan, algos: list[_Algo], x8, x_scale, w8, w_
 
 
 def plan_for(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, fast_accum: bool,
-             out: torch.Tensor) -> LtPlan:
-    """The shape's plan, made (and, outside CUDA-graph capture, timed on these operands) on its first call."""
+             out: torch.Tensor, residual: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> LtPlan:
+    """The shape's plan, made (and, outside CUDA-graph capture, timed on these operands) on its first call.
+
+    ``residual`` / ``bias``: the epilogue's C matrix and bias vector (their presence is part of the plan's key).
+    """
     m, k = x8.shape
     n = w8.shape[0]
-    key = (x8.device.index, m, n, k, x8.stride(0), bool(fast_accum))
+    epilogue = "none" if residual is None else "residual" if bias is None else "residual+bias"
+    key = (x8.device.index, m, n, k, x8.stride(0), bool(fast_accum), epilogue)
     plan = _PLANS.get(key)  # only finished plans are stored
     if plan is not None:
         return plan
@@ -302,17 +329,17 @@ def plan_for(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale:
         if plan is not None:  # another caller finished it meanwhile
             return plan
         plan = _new_plan(lib, key)
-        _set_scales(lib, plan, x_scale, w_scale)
+        _set_scales(lib, plan, x_scale, w_scale, bias)
         algos = _heuristics(lib, plan, CANDIDATES)
         plan.candidates = len(algos)
         if torch.cuda.is_current_stream_capturing() or len(algos) == 1:
             plan.algo = algos[0]
         else:
-            _choose(lib, plan, algos, x8, x_scale, w8, w_scale, out)
+            _choose(lib, plan, algos, x8, x_scale, w8, w_scale, out, residual, bias)
         plan.config = algo_config(plan.algo)
         _PLANS[key] = plan
-    logger.info("cuBLASLt GEMM M=%d N=%d K=%d: algorithm %s of %d candidates (us: %s)", m, n, k, plan.config,
-                plan.candidates, plan.timings_us)
+    logger.info("cuBLASLt GEMM M=%d N=%d K=%d (epilogue %s): algorithm %s of %d candidates (us: %s)", m, n, k,
+                epilogue, plan.config, plan.candidates, plan.timings_us)
     return plan
 
 
@@ -363,3 +390,58 @@ def cublaslt_rowwise_mm(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tenso
     """
     _check_operands(x8, x_scale, w8, w_scale)
     return _cublaslt_rowwise_mm_op(x8, x_scale, w8, w_scale, bool(fast_accum))
+
+
+def _check_residual_operands(x8, w8, col_scale, bias, residual) -> None:
+    m, n = x8.shape[0], w8.shape[0]
+    if not residual.is_cuda or residual.dtype != torch.bfloat16 or tuple(residual.shape) != (m, n) \
+            or not residual.is_contiguous():
+        raise ValueError(f"cublaslt_rowwise_mm_residual: residual must be a contiguous CUDA bf16 [{m}, {n}] tensor, "
+                         f"got {residual.dtype} {tuple(residual.shape)} strides {residual.stride()}")
+    if bias is not None and (not bias.is_cuda or bias.dtype != torch.bfloat16 or bias.numel() != n
+                             or not bias.is_contiguous()):
+        raise ValueError(f"cublaslt_rowwise_mm_residual: bias must be {n} contiguous bf16 CUDA values, "
+                         f"got {bias.dtype} {tuple(bias.shape)}")
+
+
+@torch.library.custom_op(RESIDUAL_OP_NAME, mutates_args=())
+def _cublaslt_rowwise_mm_residual_op(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
+                                     col_scale: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                                     fast_accum: bool) -> torch.Tensor:
+    out = torch.empty_like(residual)
+    if out.numel() == 0:
+        return out
+    lib = _library()
+    plan = plan_for(x8, x_scale, w8, col_scale, fast_accum, out, residual, bias)
+    _launch(lib, plan, plan.algo, x8, x_scale, w8, col_scale, out, residual, bias)
+    return out
+
+
+@_cublaslt_rowwise_mm_residual_op.register_fake
+def _(x8, x_scale, w8, col_scale, bias, residual, fast_accum):
+    return torch.empty_like(residual)
+
+
+def cublaslt_rowwise_mm_residual(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, col_scale: torch.Tensor,
+                                 bias: torch.Tensor | None, residual: torch.Tensor,
+                                 fast_accum: bool = True) -> torch.Tensor:
+    """``residual + x_scale * col_scale * (x8 . w8^T) + bias`` in one cuBLASLt call -> [M, N] bf16.
+
+    x8 [M, K] e4m3, x_scale [M, 1] float32, w8 [N, K] e4m3, col_scale [N] or [N, 1] float32 (a weight scale,
+    possibly times a gate), bias None or [N] bf16, residual [M, N] bf16 contiguous (C, read once; not modified).
+    Products and sums in float32, one rounding to bf16 at the end. Raises ValueError on operands outside the
+    limits, :class:`~.errors.Fp8UnavailableError` when cuBLASLt cannot run it.
+    """
+    _check_operands(x8, x_scale, w8, col_scale)
+    _check_residual_operands(x8, w8, col_scale, bias, residual)
+    return _cublaslt_rowwise_mm_residual_op(x8, x_scale, w8, col_scale, bias, residual, bool(fast_accum))
+
+
+def reference_rowwise_residual(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, col_scale: torch.Tensor,
+                               bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+    """What :func:`cublaslt_rowwise_mm_residual` computes, in float32 on any device (for tests and emulation)."""
+    acc = x8.float() @ w8.float().t()
+    out = residual.float() + acc * x_scale.float().reshape(-1, 1) * col_scale.float().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float().reshape(1, -1)
+    return out.to(torch.bfloat16)

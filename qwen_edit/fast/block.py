@@ -11,8 +11,10 @@ for a batch, written so that ``torch.compile`` turns the elementwise work into f
 * modulation: the six shift/scale/gate vectors of each stream come from one GEMM and are views
   (no copies); ``norm -> (1 + scale) * x + shift`` is one ``addcmul`` and the gated residuals are
   ``addcmul`` too (one pass each in eager, fused into neighbours by Inductor).
-* MLP through :func:`.mlp.mlp_forward`: with a row-wise fp8 second linear on a GPU, bias + GELU +
+* MLP through :func:`.mlp.mlp_residual`: with a row-wise fp8 second linear on a GPU, bias + GELU +
   quantization of the hidden state in one Triton kernel.
+* gated residual updates in the output projections' cuBLASLt epilogue where the layers run there and the gate
+  is one row (:mod:`.residual_gemm`).
 * with row-wise fp8 consumers on a GPU, LayerNorm + modulation + quantization of each stream's
   attention and MLP input in one Triton kernel (:mod:`.prequant`), shared by Q/K/V; before the MLP the
   same kernel also applies the gated residual update of the attention output.
@@ -32,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ...fp8.attention import attention
 from . import qkv
 from .fp8_attention import cudnn_fp8_joint_attention, split_output
-from .mlp import mlp_forward, mlp_takes_prequantized
+from .mlp import mlp_residual, mlp_takes_prequantized
 from .prequant import (
     Prequantized,
     apply_linear,
@@ -115,7 +117,7 @@ def _mod_params(mod: torch.Tensor, dim: int, selector: torch.Tensor | None) -> t
 def _qkv_layers(attn: torch.nn.Module, image_stream: bool) -> tuple[torch.nn.Module, ...]:
     """The fused QKV linear of one stream, or its three projections."""
     fused = getattr(attn, FUSED_IMAGE if image_stream else FUSED_TEXT, None)
-    if fused is not None and qkv.USE_FUSED:
+    if fused is not None and ("image" if image_stream else "text") in qkv.USE_FUSED:
         return (fused,)
     return (attn.to_q, attn.to_k, attn.to_v) if image_stream else (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
 
@@ -276,6 +278,6 @@ def fast_block(
     text, txt_in = residual_then_modulated(text, txt_p[2], attn.to_add_out, txt_attn, block.txt_norm2.eps,
                                            txt_mod, (2, 3, 4), txt_p[3], txt_p[4], None,
                                            mlp_takes_prequantized(block.txt_mlp, text))
-    image = torch.addcmul(image, img_p[5], mlp_forward(block.img_mlp, img_in))
-    text = torch.addcmul(text, txt_p[5], mlp_forward(block.txt_mlp, txt_in))
+    image = mlp_residual(block.img_mlp, img_in, image, img_p[5])
+    text = mlp_residual(block.txt_mlp, txt_in, text, txt_p[5])
     return image, text

@@ -23,8 +23,9 @@ import torch
 
 from ...fp8.gelu_quant import gelu_quant_problem, gelu_quantize_rowwise
 from .prequant import Prequantized, takes_prequantized, unbiased_output
+from .residual_gemm import gated_residual_gemm
 
-__all__ = ["FUSED_GELU_QUANT", "mlp_forward", "mlp_takes_prequantized", "uses_fused_gelu_quant"]
+__all__ = ["FUSED_GELU_QUANT", "mlp_forward", "mlp_residual", "mlp_takes_prequantized", "uses_fused_gelu_quant"]
 
 FUSED_GELU_QUANT = os.environ.get("QWEN_EDIT_FUSED_GELU_QUANT", "1") != "0"
 
@@ -41,15 +42,41 @@ def mlp_takes_prequantized(mlp: torch.nn.Module, x: torch.Tensor) -> bool:
     return uses_fused_gelu_quant(mlp, x) and takes_prequantized(mlp.net[0].proj)
 
 
-def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor | Prequantized) -> torch.Tensor:
-    """x: (B, S, D), or its row-wise fp8 form when :func:`mlp_takes_prequantized`; returns what ``mlp(x)`` does."""
-    if not isinstance(x, Prequantized) and not uses_fused_gelu_quant(mlp, x):
-        return mlp.net[2](mlp.net[0](x))
-    up, down = mlp.net[0].proj, mlp.net[2]
+def _quantized_hidden(mlp: torch.nn.Module, x: torch.Tensor | Prequantized
+                      ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The fused path up to the down-projection: (hidden x8 (B * S, 4D) e4m3, scale (B * S, 1) float32, B, S)."""
+    up = mlp.net[0].proj
     if isinstance(x, Prequantized):
         hidden, up_bias, batch, tokens = up.gemm(x.x8, x.scale, torch.bfloat16), up.bias, x.batch, x.tokens
     else:
         batch, tokens = x.shape[0], x.shape[1]
         hidden, up_bias = unbiased_output(up, x.reshape(-1, x.shape[-1]))  # the bias goes into the fused kernel
-    out = down.linear_quantized(*gelu_quantize_rowwise(hidden, up_bias), torch.bfloat16)
-    return out.reshape(batch, tokens, down.out_features)
+    x8, scale = gelu_quantize_rowwise(hidden, up_bias)
+    return x8, scale, batch, tokens
+
+
+def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor | Prequantized) -> torch.Tensor:
+    """x: (B, S, D), or its row-wise fp8 form when :func:`mlp_takes_prequantized`; returns what ``mlp(x)`` does."""
+    if not isinstance(x, Prequantized) and not uses_fused_gelu_quant(mlp, x):
+        return mlp.net[2](mlp.net[0](x))
+    down = mlp.net[2]
+    x8, scale, batch, tokens = _quantized_hidden(mlp, x)
+    return down.linear_quantized(x8, scale, torch.bfloat16).reshape(batch, tokens, down.out_features)
+
+
+def mlp_residual(mlp: torch.nn.Module, x: torch.Tensor | Prequantized, residual: torch.Tensor,
+                 gate: torch.Tensor) -> torch.Tensor:
+    """``residual + gate * mlp(x)``: residual (B, S, D) bf16, gate broadcastable to it; returns (B, S, D).
+
+    On the fused path with one gate row, the down-projection's GEMM writes the sum
+    (:func:`.residual_gemm.gated_residual_gemm`); otherwise one ``addcmul`` after :func:`mlp_forward`.
+    """
+    if isinstance(x, Prequantized) or uses_fused_gelu_quant(mlp, x):
+        down = mlp.net[2]
+        x8, scale, batch, tokens = _quantized_hidden(mlp, x)
+        new = gated_residual_gemm(down, x8, scale, gate, residual, "mlp")
+        if new is not None:
+            return new
+        out = down.linear_quantized(x8, scale, torch.bfloat16).reshape(batch, tokens, down.out_features)
+        return torch.addcmul(residual, gate, out)
+    return torch.addcmul(residual, gate, mlp_forward(mlp, x))

@@ -22,6 +22,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from ...fp8.linear import ScaledMMLinear
 from ...fp8.norm_quant import modulate_quantize_rowwise, norm_quant_problem, residual_modulate_quantize_rowwise
+from .residual_gemm import gated_residual_gemm
 
 __all__ = [
     "FUSED_NORM_QUANT",
@@ -75,12 +76,21 @@ def residual_then_modulated(x: torch.Tensor, gate: torch.Tensor, layer: torch.nn
                             eps: float, mod: torch.Tensor, indices: tuple[int, int, int], shift: torch.Tensor,
                             scale: torch.Tensor, selector: torch.Tensor | None, consumers_take_fp8: bool
                             ) -> tuple[torch.Tensor, torch.Tensor | Prequantized]:
-    """``x + gate * layer(layer_input)`` and :func:`modulated_input` of it, in one kernel where it can run.
+    """``x + gate * layer(layer_input)`` and :func:`modulated_input` of it.
+
+    Where :func:`.residual_gemm.gated_residual_gemm` applies (a :class:`Prequantized` input), the layer's GEMM
+    writes the new residual stream and one LayerNorm kernel quantizes it; else, where it can run, one kernel
+    applies the update and the LayerNorm.
 
     x: (B, S, D) residual stream; layer_input: (B, S, K), or a :class:`Prequantized` one when ``layer`` is a
     row-wise fp8 GEMM (the cuDNN FP8 attention's output); indices: (gate, shift, scale) vector indices in
     ``mod``. Returns (the new residual stream, the modulated input of the next consumers).
     """
+    if isinstance(layer_input, Prequantized):  # the GEMM writes the new residual stream (cuBLASLt epilogue)
+        new = gated_residual_gemm(layer, layer_input.x8, layer_input.scale, gate, x, "attention")
+        if new is not None:
+            return new, modulated_input(new, eps, mod, indices[1], indices[2], shift, scale, selector,
+                                        consumers_take_fp8)
     if _fusable(consumers_take_fp8, x):
         flat = layer_input if isinstance(layer_input, Prequantized) else layer_input.reshape(-1, layer_input.shape[-1])
         update, bias = unbiased_output(layer, flat)

@@ -37,8 +37,8 @@ FP8_FUSED_STREAMS = ("text",)
 batch 1): three 3072 -> 3072 GEMMs of about 11.5 us each become one 3072 -> 9216 GEMM (docs/experiments/
 forward.md, twelfth session). The image stream keeps three: its fused GEMM was not faster (first session)."""
 
-USE_FUSED = True
-"""Whether the fast forward runs a block's fused Q/K/V layer when it has one (a switch for A/B benches that
+USE_FUSED: tuple[str, ...] = ("image", "text")
+"""Streams whose fused Q/K/V layer the fast forward runs when a block has one (a switch for A/B benches that
 keep the three projections beside it, :func:`fuse_fp8_qkv` ``keep_separate``). Dynamo guards on it."""
 
 FUSED_QKV_PATTERN = r"transformer_blocks\.\d+\.attn\.(?:to_qkv|add_qkv_proj)"

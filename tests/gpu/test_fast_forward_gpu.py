@@ -186,3 +186,41 @@ def test_fused_norm_and_gelu_quantize_kernels_are_as_accurate_as_inductor(dit, i
     print(f"\nvs DiffSynth bf16: Inductor quantization {errors[False]:.3e}, fused kernels {errors[True]:.3e}")
     assert errors[False] < FP8_TOL
     assert errors[True] < 1.05 * errors[False] + 1e-3
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
+def test_residual_updates_in_the_gemm_epilogue_match_the_unfused_path(dit, inputs, zero_cond_t, monkeypatch):
+    """The fastest preset's layers (row-wise, fast accumulation, cuBLASLt GEMMs, cuDNN FP8 attention), eager:
+    both gated residual updates in the output projections' epilogue (``residual_gemm.SITES``) against neither.
+    A spy counts the fused calls per block: at batch 1 the image stream's two and the text MLP's (its output
+    projection's 300 rows run the small-M kernel, the down-projection cuBLASLt); at batch 2 (600 text rows) both
+    of the text stream's. With zero_cond_t the image gate varies per token: only the text stream's."""
+    _need("cudnn_fp8")
+    from qwen_edit_hopper.qwen_edit.fast import residual_gemm
+
+    x, prompts = inputs
+    ref = _diffsynth(dit, x, prompts[0], zero_cond_t=zero_cond_t)
+    model = copy.deepcopy(dit)
+    quantize_linears(model, Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True,
+                                      gemm_kernel="cublaslt"))
+    calls = []
+    real = residual_gemm.cublaslt_rowwise_mm_residual
+    monkeypatch.setattr(residual_gemm, "cublaslt_rowwise_mm_residual", lambda *a: calls.append(1) or real(*a))
+    two = {**x, **batch_prompts(prompts), "latents": x["latents"].expand(2, -1, -1, -1)}
+    outs = {}
+    for sites in (("attention", "mlp"), ()):
+        monkeypatch.setattr(residual_gemm, "SITES", sites)
+        with torch.no_grad():
+            one = fast_model_fn(model, **x, **prompts[0], zero_cond_t=zero_cond_t, attention_backend="cudnn_fp8")
+            counted = len(calls)
+            both = fast_model_fn(model, **two, zero_cond_t=zero_cond_t, attention_backend="cudnn_fp8")
+        outs[sites] = (one, both, counted, len(calls) - counted)
+        calls.clear()
+    one, both, batch1_calls, batch2_calls = outs[("attention", "mlp")]
+    blocks = WIDE.num_layers
+    assert batch1_calls == (1 if zero_cond_t else 3) * blocks
+    assert batch2_calls == (2 if zero_cond_t else 4) * blocks
+    assert outs[()][2] == outs[()][3] == 0
+    assert rel_err(one, outs[()][0]) < 5e-3 and rel_err(both, outs[()][1]) < 5e-3
+    assert rel_err(one, ref) < FP8_TOL + 1e-2
+    assert rel_err(both[:1], one) < 1e-2

@@ -81,7 +81,7 @@ def test_keep_separate_and_the_switch_run_either_way(base, monkeypatch):
     with torch.no_grad():
         fused_out = forward(both, 1)
         fused_calls, calls[:] = list(calls), []
-        monkeypatch.setattr(qkv, "USE_FUSED", False)
+        monkeypatch.setattr(qkv, "USE_FUSED", ())
         separate_out = forward(both, 1)
     assert fused_calls.count(3 * 64) == 2 and calls.count(3 * 64) == 0
     assert rel(fused_out, separate_out) < 1e-6
