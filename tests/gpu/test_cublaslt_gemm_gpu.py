@@ -54,7 +54,7 @@ def test_same_numbers_as_torch_scaled_mm(m, k, n, exact, fast_accum):
         assert torch.equal(got, want)
     else:
         assert relative_error(got, want) < 1e-3
-    plan = cublaslt_gemm.plans()[(x8.device.index, m, n, k, k, fast_accum)]
+    plan = cublaslt_gemm.plans()[(x8.device.index, m, n, k, k, fast_accum, "none")]
     assert plan.config["id"] is not None and plan.candidates >= 1
 
 
