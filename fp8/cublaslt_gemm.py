@@ -392,7 +392,7 @@ def cublaslt_rowwise_mm(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tenso
     return _cublaslt_rowwise_mm_op(x8, x_scale, w8, w_scale, bool(fast_accum))
 
 
-def _check_residual_operands(x8, w8, col_scale, bias, residual) -> None:
+def _check_residual_operands(x8, w8, bias, residual) -> None:
     m, n = x8.shape[0], w8.shape[0]
     if not residual.is_cuda or residual.dtype != torch.bfloat16 or tuple(residual.shape) != (m, n) \
             or not residual.is_contiguous():
@@ -433,13 +433,13 @@ def cublaslt_rowwise_mm_residual(x8: torch.Tensor, x_scale: torch.Tensor, w8: to
     limits, :class:`~.errors.Fp8UnavailableError` when cuBLASLt cannot run it.
     """
     _check_operands(x8, x_scale, w8, col_scale)
-    _check_residual_operands(x8, w8, col_scale, bias, residual)
+    _check_residual_operands(x8, w8, bias, residual)
     return _cublaslt_rowwise_mm_residual_op(x8, x_scale, w8, col_scale, bias, residual, bool(fast_accum))
 
 
 def reference_rowwise_residual(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, col_scale: torch.Tensor,
                                bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
-    """What :func:`cublaslt_rowwise_mm_residual` computes, in float32 on any device (for tests and emulation)."""
+    """What :func:`cublaslt_rowwise_mm_residual` computes, in float32 on any device (for tests)."""
     acc = x8.float() @ w8.float().t()
     out = residual.float() + acc * x_scale.float().reshape(-1, 1) * col_scale.float().reshape(1, -1)
     if bias is not None:

@@ -55,13 +55,17 @@ def _quantized_hidden(mlp: torch.nn.Module, x: torch.Tensor | Prequantized
     return x8, scale, batch, tokens
 
 
+def _down_projection(mlp: torch.nn.Module, x8: torch.Tensor, scale: torch.Tensor, batch: int, tokens: int
+                     ) -> torch.Tensor:
+    down = mlp.net[2]
+    return down.linear_quantized(x8, scale, torch.bfloat16).reshape(batch, tokens, down.out_features)
+
+
 def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor | Prequantized) -> torch.Tensor:
     """x: (B, S, D), or its row-wise fp8 form when :func:`mlp_takes_prequantized`; returns what ``mlp(x)`` does."""
     if not isinstance(x, Prequantized) and not uses_fused_gelu_quant(mlp, x):
         return mlp.net[2](mlp.net[0](x))
-    down = mlp.net[2]
-    x8, scale, batch, tokens = _quantized_hidden(mlp, x)
-    return down.linear_quantized(x8, scale, torch.bfloat16).reshape(batch, tokens, down.out_features)
+    return _down_projection(mlp, *_quantized_hidden(mlp, x))
 
 
 def mlp_residual(mlp: torch.nn.Module, x: torch.Tensor | Prequantized, residual: torch.Tensor,
@@ -69,14 +73,10 @@ def mlp_residual(mlp: torch.nn.Module, x: torch.Tensor | Prequantized, residual:
     """``residual + gate * mlp(x)``: residual (B, S, D) bf16, gate broadcastable to it; returns (B, S, D).
 
     On the fused path with one gate row, the down-projection's GEMM writes the sum
-    (:func:`.residual_gemm.gated_residual_gemm`); otherwise one ``addcmul`` after :func:`mlp_forward`.
+    (:func:`.residual_gemm.gated_residual_gemm`); otherwise one ``addcmul`` after the MLP.
     """
-    if isinstance(x, Prequantized) or uses_fused_gelu_quant(mlp, x):
-        down = mlp.net[2]
-        x8, scale, batch, tokens = _quantized_hidden(mlp, x)
-        new = gated_residual_gemm(down, x8, scale, gate, residual, "mlp")
-        if new is not None:
-            return new
-        out = down.linear_quantized(x8, scale, torch.bfloat16).reshape(batch, tokens, down.out_features)
-        return torch.addcmul(residual, gate, out)
-    return torch.addcmul(residual, gate, mlp_forward(mlp, x))
+    if not isinstance(x, Prequantized) and not uses_fused_gelu_quant(mlp, x):
+        return torch.addcmul(residual, gate, mlp.net[2](mlp.net[0](x)))
+    hidden = _quantized_hidden(mlp, x)
+    new = gated_residual_gemm(mlp.net[2], hidden[0], hidden[1], gate, residual, "mlp")
+    return torch.addcmul(residual, gate, _down_projection(mlp, *hidden)) if new is None else new

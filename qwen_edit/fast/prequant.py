@@ -86,17 +86,16 @@ def residual_then_modulated(x: torch.Tensor, gate: torch.Tensor, layer: torch.nn
     row-wise fp8 GEMM (the cuDNN FP8 attention's output); indices: (gate, shift, scale) vector indices in
     ``mod``. Returns (the new residual stream, the modulated input of the next consumers).
     """
+    new = None
     if isinstance(layer_input, Prequantized):  # the GEMM writes the new residual stream (cuBLASLt epilogue)
         new = gated_residual_gemm(layer, layer_input.x8, layer_input.scale, gate, x, "attention")
-        if new is not None:
-            return new, modulated_input(new, eps, mod, indices[1], indices[2], shift, scale, selector,
-                                        consumers_take_fp8)
-    if _fusable(consumers_take_fp8, x):
+    if new is None and _fusable(consumers_take_fp8, x):
         flat = layer_input if isinstance(layer_input, Prequantized) else layer_input.reshape(-1, layer_input.shape[-1])
         update, bias = unbiased_output(layer, flat)
         new, x8, x_scale = residual_modulate_quantize_rowwise(x, update, bias, eps, mod, 6, *indices, selector)
         return new, Prequantized(x8, x_scale, x.shape[0], x.shape[1])
-    new = torch.addcmul(x, gate, apply_linear(layer, layer_input))
+    if new is None:
+        new = torch.addcmul(x, gate, apply_linear(layer, layer_input))
     return new, modulated_input(new, eps, mod, indices[1], indices[2], shift, scale, selector, consumers_take_fp8)
 
 

@@ -95,7 +95,7 @@ def test_residual_operand_checks_name_the_operand():
     x8 = torch.zeros(8, K).to(FP8_DTYPE)
     w8 = torch.zeros(N, K).to(FP8_DTYPE)
     with pytest.raises(ValueError, match=r"residual must be a contiguous CUDA bf16 \[8, 32\] tensor"):
-        cublaslt_gemm._check_residual_operands(x8, w8, None, None, torch.zeros(8, N, dtype=torch.bfloat16))
+        cublaslt_gemm._check_residual_operands(x8, w8, None, torch.zeros(8, N, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="every operand must be a CUDA tensor"):
         cublaslt_gemm.cublaslt_rowwise_mm_residual(x8, torch.ones(8, 1), w8, torch.ones(N), None,
                                                    torch.zeros(8, N, dtype=torch.bfloat16))
