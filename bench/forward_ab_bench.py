@@ -126,6 +126,8 @@ def main() -> int:
     parser.add_argument("--residual", action="store_true",
                         help="instead: residual updates unfused or in the GEMM epilogue, image Q/K/V fused, "
                              "shared-input modulation")  # fmt: skip
+    parser.add_argument("--zero-cond-t", action="store_true",
+                        help="every forward with Qwen-Image-Edit-2511's zero_cond_t (reference tokens at timestep 0)")
     parser.add_argument("--only", metavar="I,J", help="run only these variants (0-based indices of the mode's list)")
     args = parser.parse_args()
     variants = (NORM_VARIANTS if args.norm else SCALAR_VARIANTS if args.scalars else GEMM_VARIANTS if args.gemm
@@ -151,7 +153,7 @@ def main() -> int:
     device = torch.device("cuda")
     base = hm.build_dit(hm.FULL, device)
     inputs = hm.ForwardInputs.make(1024, 1024, 300, 3584, device)
-    reference = hm.fast_forward(ff, base, inputs).float()
+    reference = hm.fast_forward(ff, base, inputs, zero_cond_t=args.zero_cond_t).float()
     module = hm.fastest_fp8_dit(base, fused_qkv=() if args.text or args.residual else None)
     if args.text:  # both ways in one model: the three text projections and the fused layer beside them
         qkv.fuse_fp8_qkv(module, ("text",), keep_separate=True)
@@ -194,11 +196,12 @@ def main() -> int:
                 graphs.enable_cuda_graphs(module)
             else:
                 graphs.disable_cuda_graphs(module)
-            return hm.fast_forward(ff, module, inputs, batch=batch, attention="cudnn_fp8")
+            return hm.fast_forward(ff, module, inputs, batch=batch, attention="cudnn_fp8", zero_cond_t=args.zero_cond_t)
 
         return call
 
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "zero_cond_t": args.zero_cond_t,
+               "variants": {}}
     times: dict[tuple[str, int], list[float]] = {}
     with dynamo_settings():
         for label, *switches in variants:

@@ -390,10 +390,11 @@ def diffsynth_cfg_step(dit: torch.nn.Module, inputs: ForwardInputs, cfg: float =
 
 
 def fast_forward(ff, dit: torch.nn.Module, inputs: ForwardInputs, *, batch: int = 1, attention: str = "sdpa",
-                 negative: bool = False) -> torch.Tensor:
-    """The pack's ``fast_model_fn``: batch 1 (prompt, or negative), or batch 2 = [prompt, negative]."""
+                 negative: bool = False, zero_cond_t: bool = False) -> torch.Tensor:
+    """The pack's ``fast_model_fn``: batch 1 (prompt, or negative), or batch 2 = [prompt, negative].
+    ``zero_cond_t``: Qwen-Image-Edit-2511's reference-token modulation (timestep 0 for the reference tokens)."""
     shared = {"timestep": inputs.timestep, "height": inputs.height, "width": inputs.width,
-              "edit_latents": [inputs.edit], "attention_backend": attention}
+              "edit_latents": [inputs.edit], "attention_backend": attention, "zero_cond_t": zero_cond_t}
     with torch.no_grad():
         if batch == 1:
             emb, mask = (inputs.negative, inputs.negative_mask) if negative else (inputs.prompt, inputs.prompt_mask)
