@@ -20,8 +20,8 @@ Problem (cuBLASLt is column-major; the row-major operands are read transposed, a
 :func:`cublaslt_rowwise_mm_residual` poses the same problem with a bf16 residual C added (``beta = 1``) and an
 optional bf16 bias in cuBLASLt's epilogue: ``out = bf16(residual + x_scale[m] * col_scale[n] * acc + bias[n])``.
 With ``col_scale = w_scale * gate`` and ``bias = gate * layer bias`` that is a DiT block's gated residual update
-``x + gate * linear(h)`` in the GEMM's epilogue, without a pass of its own over the (M, N) output. Where the gate
-differs between row ranges (per sample, or target and reference tokens), one call per range.
+``x + gate * linear(h)`` in the GEMM's epilogue, without a pass of its own over the (M, N) output (one gate row
+for all M rows: the gate must not vary per token).
 
 Limits: CUDA, a cuBLASLt with outer-vector fp8 scaling (CUDA 12.9 or newer) on compute capability 9.0 or
 newer; x8 [M, K] float8_e4m3fn with unit column stride and a row stride that is a multiple of 16, x_scale
@@ -392,82 +392,56 @@ def cublaslt_rowwise_mm(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tenso
     return _cublaslt_rowwise_mm_op(x8, x_scale, w8, w_scale, bool(fast_accum))
 
 
-def _check_residual_operands(x8, w8, col_scales, biases, residual, starts, ids) -> None:
+def _check_residual_operands(x8, w8, bias, residual) -> None:
     m, n = x8.shape[0], w8.shape[0]
     if not residual.is_cuda or residual.dtype != torch.bfloat16 or tuple(residual.shape) != (m, n) \
             or not residual.is_contiguous():
         raise ValueError(f"cublaslt_rowwise_mm_residual: residual must be a contiguous CUDA bf16 [{m}, {n}] tensor, "
                          f"got {residual.dtype} {tuple(residual.shape)} strides {residual.stride()}")
-    if col_scales.dim() != 2 or col_scales.shape[1] != n or col_scales.dtype != torch.float32 \
-            or not col_scales.is_contiguous() or not col_scales.is_cuda:
-        raise ValueError(f"cublaslt_rowwise_mm_residual: col_scales must be contiguous CUDA float32 [G, {n}], got "
-                         f"{col_scales.dtype} {tuple(col_scales.shape)}")
-    if biases is not None and (not biases.is_cuda or biases.dtype != torch.bfloat16
-                               or tuple(biases.shape) != tuple(col_scales.shape) or not biases.is_contiguous()):
-        raise ValueError(f"cublaslt_rowwise_mm_residual: biases must be contiguous CUDA bf16 "
-                         f"{list(col_scales.shape)} like col_scales, got {biases.dtype} {tuple(biases.shape)}")
-    _check_segments(m, col_scales.shape[0], starts, ids)
-
-
-def _check_segments(m: int, groups: int, starts, ids) -> None:
-    """Row runs: ``starts`` rising from 0, each below the next (and below M); ``ids`` in range(groups)."""
-    if len(starts) != len(ids) or not starts or starts[0] != 0 \
-            or any(b <= a for a, b in zip(starts, [*starts[1:], m], strict=True)) \
-            or any(not 0 <= g < groups for g in ids):
-        raise ValueError(f"cublaslt_rowwise_mm_residual: starts must rise from 0 below M={m} and ids index the "
-                         f"{groups} rows of col_scales, got starts={list(starts)}, ids={list(ids)}")
+    if bias is not None and (not bias.is_cuda or bias.dtype != torch.bfloat16 or bias.numel() != n
+                             or not bias.is_contiguous()):
+        raise ValueError(f"cublaslt_rowwise_mm_residual: bias must be {n} contiguous bf16 CUDA values, "
+                         f"got {bias.dtype} {tuple(bias.shape)}")
 
 
 @torch.library.custom_op(RESIDUAL_OP_NAME, mutates_args=())
 def _cublaslt_rowwise_mm_residual_op(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor,
-                                     col_scales: torch.Tensor, biases: torch.Tensor | None, residual: torch.Tensor,
-                                     starts: list[int], ids: list[int], fast_accum: bool) -> torch.Tensor:
+                                     col_scale: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                                     fast_accum: bool) -> torch.Tensor:
     out = torch.empty_like(residual)
     if out.numel() == 0:
         return out
     lib = _library()
-    ends = [*starts[1:], out.shape[0]]
-    for start, end, g in zip(starts, ends, ids, strict=True):
-        rows = (x8[start:end], x_scale[start:end], w8, col_scales[g], fast_accum, out[start:end], residual[start:end],
-                None if biases is None else biases[g])
-        plan = plan_for(*rows)
-        _launch(lib, plan, plan.algo, *rows[:4], *rows[5:])
+    plan = plan_for(x8, x_scale, w8, col_scale, fast_accum, out, residual, bias)
+    _launch(lib, plan, plan.algo, x8, x_scale, w8, col_scale, out, residual, bias)
     return out
 
 
 @_cublaslt_rowwise_mm_residual_op.register_fake
-def _(x8, x_scale, w8, col_scales, biases, residual, starts, ids, fast_accum):
+def _(x8, x_scale, w8, col_scale, bias, residual, fast_accum):
     return torch.empty_like(residual)
 
 
-def cublaslt_rowwise_mm_residual(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, col_scales: torch.Tensor,
-                                 biases: torch.Tensor | None, residual: torch.Tensor, starts: tuple[int, ...] = (0,),
-                                 ids: tuple[int, ...] = (0,), fast_accum: bool = True) -> torch.Tensor:
-    """``residual + x_scale * col_scales[g] * (x8 . w8^T) + biases[g]`` -> [M, N] bf16, one cuBLASLt call per segment.
+def cublaslt_rowwise_mm_residual(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, col_scale: torch.Tensor,
+                                 bias: torch.Tensor | None, residual: torch.Tensor,
+                                 fast_accum: bool = True) -> torch.Tensor:
+    """``residual + x_scale * col_scale * (x8 . w8^T) + bias`` in one cuBLASLt call -> [M, N] bf16.
 
-    x8 [M, K] e4m3, x_scale [M, 1] float32, w8 [N, K] e4m3; col_scales [G, N] float32 (a weight scale, possibly
-    times a gate: G gate rows) and biases None or [G, N] bf16; residual [M, N] bf16 contiguous (C, read once; not
-    modified). Rows ``starts[i]`` up to the next start (or M) use row ``ids[i]`` of col_scales and biases: one
-    segment (the default) for a gate shared by all rows, more where it differs between row ranges. Products and
-    sums in float32, one rounding to bf16 at the end. Raises ValueError on operands outside the limits,
-    :class:`~.errors.Fp8UnavailableError` when cuBLASLt cannot run it.
+    x8 [M, K] e4m3, x_scale [M, 1] float32, w8 [N, K] e4m3, col_scale [N] or [N, 1] float32 (a weight scale,
+    possibly times a gate), bias None or [N] bf16, residual [M, N] bf16 contiguous (C, read once; not modified).
+    Products and sums in float32, one rounding to bf16 at the end. Raises ValueError on operands outside the
+    limits, :class:`~.errors.Fp8UnavailableError` when cuBLASLt cannot run it.
     """
-    for g in range(col_scales.shape[0]) if col_scales.dim() == 2 else ():
-        _check_operands(x8, x_scale, w8, col_scales[g])
-    _check_residual_operands(x8, w8, col_scales, biases, residual, starts, ids)
-    return _cublaslt_rowwise_mm_residual_op(x8, x_scale, w8, col_scales, biases, residual, list(starts), list(ids),
-                                            bool(fast_accum))
+    _check_operands(x8, x_scale, w8, col_scale)
+    _check_residual_operands(x8, w8, bias, residual)
+    return _cublaslt_rowwise_mm_residual_op(x8, x_scale, w8, col_scale, bias, residual, bool(fast_accum))
 
 
-def reference_rowwise_residual(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, col_scales: torch.Tensor,
-                               biases: torch.Tensor | None, residual: torch.Tensor, starts: tuple[int, ...] = (0,),
-                               ids: tuple[int, ...] = (0,)) -> torch.Tensor:
+def reference_rowwise_residual(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, col_scale: torch.Tensor,
+                               bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
     """What :func:`cublaslt_rowwise_mm_residual` computes, in float32 on any device (for tests)."""
-    acc = x8.float() @ w8.float().t() * x_scale.float().reshape(-1, 1)
-    row_gate = torch.empty(x8.shape[0], dtype=torch.long, device=x8.device)
-    for start, end, g in zip(starts, [*starts[1:], x8.shape[0]], ids, strict=True):
-        row_gate[start:end] = g
-    out = residual.float() + acc * col_scales.float()[row_gate]
-    if biases is not None:
-        out = out + biases.float()[row_gate]
+    acc = x8.float() @ w8.float().t()
+    out = residual.float() + acc * x_scale.float().reshape(-1, 1) * col_scale.float().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float().reshape(1, -1)
     return out.to(torch.bfloat16)

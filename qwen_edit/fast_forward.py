@@ -222,7 +222,6 @@ def _forward(dit: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor
 
     cos, sin = rope_tables(dit, img_shapes, text_len, device, interpolation=edit_rope_interpolation)
     selector = target_selector(dit, target_tokens, image_tokens, device) if zero_cond_t else None
-    target = torch.empty((target_tokens, 0), device=device) if zero_cond_t else None  # a size, no memory
     key_mask = carriers = None
     if text_padding == "mask":
         if prompt_emb_mask is None or prompt_emb_mask.shape != (batch, text_len):
@@ -243,14 +242,14 @@ def _forward(dit: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor
     block_fn = fast_block if compiled is None else compiled.fn
     mark = compiled is not None and compiled.marks_sequence_dynamic
     if mark:
-        mark_sequence_dynamic((cos, 0), (sin, 0), (selector, 1), (key_mask, 3), (target, 0),
+        mark_sequence_dynamic((cos, 0), (sin, 0), (selector, 1), (key_mask, 3),
                               *((c, 0) for c in carriers or ()))
     mods = block_modulations(dit, temb_img, temb_txt)
     for i, block in enumerate(dit.transformer_blocks):
         if mark:
             mark_sequence_dynamic((image, 1), (text, 1))
         image, text = block_fn(block, image, text, temb_img, temb_txt, cos, sin, selector, carriers, key_mask,
-                               attention_backend, None if mods is None else mods[i], target)
+                               attention_backend, None if mods is None else mods[i])
 
     out_cond = conditioning[: conditioning.shape[0] // 2] if zero_cond_t else conditioning
     image = dit.proj_out(dit.norm_out(image[:, :target_tokens], out_cond))

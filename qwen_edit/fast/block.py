@@ -44,7 +44,6 @@ from .prequant import (
     unbiased_output,
 )
 from .qkv import FUSED_IMAGE, FUSED_TEXT
-from .residual_gemm import gate_rows
 
 MASK_BACKENDS: dict[str, SDPBackend | None] = {
     "sdpa": None,
@@ -214,7 +213,6 @@ def fast_block(
     key_mask: torch.Tensor | None,
     backend: str,
     mods: tuple[torch.Tensor, torch.Tensor] | None = None,
-    target: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One ``QwenImageTransformerBlock`` forward; returns ``(image, text)`` (DiffSynth returns ``(text, image)``).
 
@@ -235,9 +233,6 @@ def fast_block(
         backend: attention backend name (``fp8.attention.BACKENDS``).
         mods: None, or this block's ``(img_mod.1(temb_img), txt_mod.1(temb_txt))`` computed beforehand
             (:func:`.modulation.block_modulations`), (rows, 6 * D) each.
-        target: None, or with ``selector`` a (T, 0) tensor whose size is the number of target tokens (a size
-            that can be marked dynamic, like ``txt_lens``): lets the image stream's residual updates run in
-            the GEMM epilogue (:mod:`.residual_gemm`); without it they run as a pass of their own.
 
     Returns:
         ``(image, text)`` with the input shapes and dtypes.
@@ -277,16 +272,12 @@ def fast_block(
                               backend)
     img_attn, txt_attn = split_output(out, si)
 
-    # the residual updates' gate rows for the GEMM epilogue (zero_cond_t's image stream needs the target count)
-    img_gates = [gate_rows(img_mod, j, dim, image.shape[0], si, target) if selector is None or target is not None
-                 else None for j in (2, 5)]  # fmt: skip
-    txt_gates = [gate_rows(txt_mod, j, dim, text.shape[0], text.shape[1]) for j in (2, 5)]
     image, img_in = residual_then_modulated(image, img_p[2], attn.to_out[0], img_attn, block.img_norm2.eps,
                                             img_mod, (2, 3, 4), img_p[3], img_p[4], selector,
-                                            mlp_takes_prequantized(block.img_mlp, image), img_gates[0])
+                                            mlp_takes_prequantized(block.img_mlp, image))
     text, txt_in = residual_then_modulated(text, txt_p[2], attn.to_add_out, txt_attn, block.txt_norm2.eps,
                                            txt_mod, (2, 3, 4), txt_p[3], txt_p[4], None,
-                                           mlp_takes_prequantized(block.txt_mlp, text), txt_gates[0])
-    image = mlp_residual(block.img_mlp, img_in, image, img_p[5], img_gates[1])
-    text = mlp_residual(block.txt_mlp, txt_in, text, txt_p[5], txt_gates[1])
+                                           mlp_takes_prequantized(block.txt_mlp, text))
+    image = mlp_residual(block.img_mlp, img_in, image, img_p[5])
+    text = mlp_residual(block.txt_mlp, txt_in, text, txt_p[5])
     return image, text

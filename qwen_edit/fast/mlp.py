@@ -23,7 +23,7 @@ import torch
 
 from ...fp8.gelu_quant import gelu_quant_problem, gelu_quantize_rowwise
 from .prequant import Prequantized, takes_prequantized, unbiased_output
-from .residual_gemm import GateRows, gated_residual_gemm
+from .residual_gemm import gated_residual_gemm
 
 __all__ = ["FUSED_GELU_QUANT", "mlp_forward", "mlp_residual", "mlp_takes_prequantized", "uses_fused_gelu_quant"]
 
@@ -69,15 +69,14 @@ def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor | Prequantized) -> torch.T
 
 
 def mlp_residual(mlp: torch.nn.Module, x: torch.Tensor | Prequantized, residual: torch.Tensor,
-                 gate: torch.Tensor, gates: GateRows | None = None) -> torch.Tensor:
+                 gate: torch.Tensor) -> torch.Tensor:
     """``residual + gate * mlp(x)``: residual (B, S, D) bf16, gate broadcastable to it; returns (B, S, D).
 
-    On the fused path with ``gates`` (the same gate as rows, :func:`.residual_gemm.gate_rows`), the
-    down-projection's GEMM writes the sum (:func:`.residual_gemm.gated_residual_gemm`); otherwise one ``addcmul``
-    after the MLP.
+    On the fused path with one gate row, the down-projection's GEMM writes the sum
+    (:func:`.residual_gemm.gated_residual_gemm`); otherwise one ``addcmul`` after the MLP.
     """
     if not isinstance(x, Prequantized) and not uses_fused_gelu_quant(mlp, x):
         return torch.addcmul(residual, gate, mlp.net[2](mlp.net[0](x)))
     hidden = _quantized_hidden(mlp, x)
-    new = gated_residual_gemm(mlp.net[2], hidden[0], hidden[1], gates, residual, "mlp")
+    new = gated_residual_gemm(mlp.net[2], hidden[0], hidden[1], gate, residual, "mlp")
     return torch.addcmul(residual, gate, _down_projection(mlp, *hidden)) if new is None else new

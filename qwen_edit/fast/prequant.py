@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from ...fp8.linear import ScaledMMLinear
 from ...fp8.norm_quant import modulate_quantize_rowwise, norm_quant_problem, residual_modulate_quantize_rowwise
-from .residual_gemm import GateRows, gated_residual_gemm
+from .residual_gemm import gated_residual_gemm
 
 __all__ = [
     "FUSED_NORM_QUANT",
@@ -74,12 +74,11 @@ def modulated_input(x: torch.Tensor, eps: float, mod: torch.Tensor, shift_index:
 
 def residual_then_modulated(x: torch.Tensor, gate: torch.Tensor, layer: torch.nn.Module, layer_input: torch.Tensor,
                             eps: float, mod: torch.Tensor, indices: tuple[int, int, int], shift: torch.Tensor,
-                            scale: torch.Tensor, selector: torch.Tensor | None, consumers_take_fp8: bool,
-                            gates: GateRows | None = None) -> tuple[torch.Tensor, torch.Tensor | Prequantized]:
+                            scale: torch.Tensor, selector: torch.Tensor | None, consumers_take_fp8: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor | Prequantized]:
     """``x + gate * layer(layer_input)`` and :func:`modulated_input` of it.
 
-    Where :func:`.residual_gemm.gated_residual_gemm` applies (a :class:`Prequantized` input, ``gates`` from
-    :func:`.residual_gemm.gate_rows`), the layer's GEMM
+    Where :func:`.residual_gemm.gated_residual_gemm` applies (a :class:`Prequantized` input), the layer's GEMM
     writes the new residual stream and one LayerNorm kernel quantizes it; else, where it can run, one kernel
     applies the update and the LayerNorm.
 
@@ -89,7 +88,7 @@ def residual_then_modulated(x: torch.Tensor, gate: torch.Tensor, layer: torch.nn
     """
     new = None
     if isinstance(layer_input, Prequantized):  # the GEMM writes the new residual stream (cuBLASLt epilogue)
-        new = gated_residual_gemm(layer, layer_input.x8, layer_input.scale, gates, x, "attention")
+        new = gated_residual_gemm(layer, layer_input.x8, layer_input.scale, gate, x, "attention")
     if new is None and _fusable(consumers_take_fp8, x):
         flat = layer_input if isinstance(layer_input, Prequantized) else layer_input.reshape(-1, layer_input.shape[-1])
         update, bias = unbiased_output(layer, flat)

@@ -23,9 +23,9 @@ N, K, TOKENS = 32, 64, 6
 def reference_op(monkeypatch):
     calls = []
 
-    def op(x8, x_scale, w8, col_scales, biases, residual, starts, ids, fast_accum):
-        calls.append((col_scales.clone(), None if biases is None else biases.clone(), starts, ids))
-        return cublaslt_gemm.reference_rowwise_residual(x8, x_scale, w8, col_scales, biases, residual, starts, ids)
+    def op(x8, x_scale, w8, col_scale, bias, residual, fast_accum):
+        calls.append((col_scale.clone(), None if bias is None else bias.clone()))
+        return cublaslt_gemm.reference_rowwise_residual(x8, x_scale, w8, col_scale, bias, residual)
 
     monkeypatch.setattr(residual_gemm, "cublaslt_rowwise_mm_residual", op)
     return calls
@@ -39,72 +39,44 @@ def _layer(bias: bool = True, kernel: str = "cublaslt") -> ScaledMMLinear:
     return ScaledMMLinear.from_linear(linear.to(torch.bfloat16), gemm_kernel=kernel, fast_accum=True)
 
 
-def _mod(rows: int) -> torch.Tensor:
-    torch.manual_seed(3)
-    return torch.randn(rows, 6 * N, dtype=torch.bfloat16)
-
-
 def _inputs(batch: int = 1):
     torch.manual_seed(1)
     x = torch.randn(batch * TOKENS, K, dtype=torch.bfloat16)
     residual = torch.randn(batch, TOKENS, N, dtype=torch.bfloat16)
-    return x, residual
-
-
-@pytest.mark.parametrize("mod_rows, batch, target, starts, ids", [
-    (1, 2, None, (0,), (0,)),  # one timestep for the batch (batched CFG): one run
-    (2, 2, None, (0, TOKENS), (0, 1)),  # a timestep per sample
-    (2, 1, 4, (0, 4), (0, 1)),  # zero_cond_t: target tokens, then references (timestep 0)
-    (2, 2, 4, (0, 4, TOKENS, TOKENS + 4), (0, 1, 0, 1)),  # zero_cond_t, one timestep for the batch
-    (4, 2, 4, (0, 4, TOKENS, TOKENS + 4), (0, 2, 1, 3)),  # zero_cond_t, a timestep per sample
-], ids=["one", "per-sample", "zero-cond", "zero-cond-batch2", "zero-cond-per-sample"])
-def test_gate_rows_split_the_stream_where_the_gate_changes(mod_rows, batch, target, starts, ids):
-    mod = _mod(mod_rows)
-    gates = residual_gemm.gate_rows(mod, 5, N, batch, TOKENS, None if target is None else torch.empty(target, 0))
-    assert (gates.starts, gates.ids) == (starts, ids)
-    torch.testing.assert_close(gates.rows, mod[:, 5 * N:6 * N], rtol=0, atol=0)
-    assert residual_gemm.gate_rows(_mod(3), 5, N, 2, TOKENS) is None  # 3 timesteps for 2 samples
+    gate = torch.randn(1, 1, N, dtype=torch.bfloat16)
+    return x, residual, gate
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("zero_cond_t", [False, True])
-def test_gate_folds_into_column_scales_and_biases(reference_op, bias, zero_cond_t):
+def test_gate_folds_into_column_scale_and_bias(reference_op, bias):
     layer = _layer(bias)
-    x, residual = _inputs(batch=2)
+    x, residual, gate = _inputs(batch=2)
     x8, x_scale = layer.quantize_input(x)
-    mod = _mod(2 if zero_cond_t else 1)
-    target = torch.empty(4, 0) if zero_cond_t else None
-    gates = residual_gemm.gate_rows(mod, 2, N, 2, TOKENS, target)
-    out = residual_gemm.gated_residual_gemm(layer, x8, x_scale, gates, residual, "mlp")
-    gate = mod[:, 2 * N:3 * N].float()
-    per_token = gate[0].expand(TOKENS, N).clone()
-    if zero_cond_t:
-        per_token[4:] = gate[1]
+    out = residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual, "mlp")
     gemm = (x8.float() @ layer.weight.float().t()) * x_scale * layer.weight_scale.reshape(1, N)
-    expected = residual.float() + per_token * (gemm.reshape(2, TOKENS, N) + (layer.bias.float() if bias else 0.0))
+    expected = residual.float() + gate.float() * (gemm.reshape(2, TOKENS, N) + (layer.bias.float() if bias else 0.0))
     assert out.shape == residual.shape and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
-    col_scales, folded_bias, starts, ids = reference_op[0]
-    torch.testing.assert_close(col_scales, layer.weight_scale.reshape(1, N) * gate)
+    col_scale, folded_bias = reference_op[0]
+    torch.testing.assert_close(col_scale, layer.weight_scale.reshape(-1) * gate.reshape(-1).float())
     assert (folded_bias is None) == (not bias)
-    assert (starts, ids) == ((0, 4, TOKENS, TOKENS + 4), (0, 1, 0, 1)) if zero_cond_t else ((0,), (0,))
 
 
 def test_it_declines_where_the_update_is_not_one_gemm_epilogue(reference_op, monkeypatch):
-    x, residual = _inputs()
+    x, residual, gate = _inputs()
     layer = _layer()
     x8, x_scale = layer.quantize_input(x)
-    gates = residual_gemm.gate_rows(_mod(1), 5, N, 1, TOKENS)
-    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, None, residual, "mlp") is None
-    assert residual_gemm.gated_residual_gemm(_layer(kernel="torch"), x8, x_scale, gates, residual, "mlp") is None
-    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gates, residual.float(), "mlp") is None
-    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gates, residual.transpose(1, 2).contiguous()
+    per_token_gate = gate.expand(1, TOKENS, N).contiguous()  # zero_cond_t: the gate varies per token
+    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, per_token_gate, residual, "mlp") is None
+    assert residual_gemm.gated_residual_gemm(_layer(kernel="torch"), x8, x_scale, gate, residual, "mlp") is None
+    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual.float(), "mlp") is None
+    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual.transpose(1, 2).contiguous()
                                              .transpose(1, 2), "mlp") is None
     monkeypatch.setattr(residual_gemm, "SITES", ("attention",))
-    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gates, residual, "mlp") is None
-    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gates, residual, "attention") is not None
+    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual, "mlp") is None
+    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual, "attention") is not None
     emulated = ScaledMMLinear.from_linear(nn.Linear(K, N), emulate=True, gemm_kernel="cublaslt")
-    assert residual_gemm.gated_residual_gemm(emulated, x8, x_scale, gates, residual, "attention") is None
+    assert residual_gemm.gated_residual_gemm(emulated, x8, x_scale, gate, residual, "attention") is None
     assert len(reference_op) == 1
 
 
@@ -122,15 +94,8 @@ def test_mlp_residual_equals_addcmul_of_the_module_on_the_plain_path():
 def test_residual_operand_checks_name_the_operand():
     x8 = torch.zeros(8, K).to(FP8_DTYPE)
     w8 = torch.zeros(N, K).to(FP8_DTYPE)
-    scales = torch.ones(2, N)
     with pytest.raises(ValueError, match=r"residual must be a contiguous CUDA bf16 \[8, 32\] tensor"):
-        cublaslt_gemm._check_residual_operands(x8, w8, scales, None, torch.zeros(8, N, dtype=torch.bfloat16),
-                                               (0,), (0,))
+        cublaslt_gemm._check_residual_operands(x8, w8, None, torch.zeros(8, N, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="every operand must be a CUDA tensor"):
-        cublaslt_gemm.cublaslt_rowwise_mm_residual(x8, torch.ones(8, 1), w8, scales, None,
+        cublaslt_gemm.cublaslt_rowwise_mm_residual(x8, torch.ones(8, 1), w8, torch.ones(N), None,
                                                    torch.zeros(8, N, dtype=torch.bfloat16))
-    for starts, ids in (((0, 8), (0, 1)), ((0, 4, 2), (0, 1, 0)), ((2,), (0,)), ((0,), (2,)), ((0, 4), (0,))):
-        with pytest.raises(ValueError, match=r"starts must rise from 0 below M=8 and ids index the 2 rows of "
-                                             r"col_scales, got starts="):
-            cublaslt_gemm._check_segments(8, 2, starts, ids)
-    cublaslt_gemm._check_segments(8, 2, (0, 4), (1, 0))
