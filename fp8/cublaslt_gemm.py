@@ -65,7 +65,7 @@ _CUDA_R_8F_E4M3 = 28
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _DESC_EPILOGUE, _DESC_BIAS_POINTER = 7, 8
-_EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
+_EPILOGUE_BIAS = 4
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
 _DESC_FAST_ACCUM = 25
 _DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
@@ -195,10 +195,6 @@ class LtPlan:
 _PLANS: dict[tuple, LtPlan] = {}
 
 
-EPILOGUES = ("none", "residual", "residual+bias")
-"""A plan's epilogue: plain ``D = AB`` (scaled), ``D = AB + C``, or ``D = AB + C + bias``."""
-
-
 def plans() -> dict[tuple, LtPlan]:
     """Every plan made so far: key (device index, M, N, K, x row stride, fast_accum, epilogue) -> :class:`LtPlan`."""
     return dict(_PLANS)
@@ -318,6 +314,7 @@ def plan_for(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale:
     """
     m, k = x8.shape
     n = w8.shape[0]
+    # the plan's epilogue: D = AB (scaled), D = AB + C, or D = AB + C + bias
     epilogue = "none" if residual is None else "residual" if bias is None else "residual+bias"
     key = (x8.device.index, m, n, k, x8.stride(0), bool(fast_accum), epilogue)
     plan = _PLANS.get(key)  # only finished plans are stored
