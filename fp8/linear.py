@@ -25,6 +25,7 @@ from torch import nn
 
 from .config import GEMM_KERNELS
 from .cublaslt_gemm import cublaslt_rowwise_mm
+from .gelu_gemm import column_bound
 from .quant import (
     FP8_DTYPE,
     dequantize,
@@ -109,12 +110,14 @@ class Fp8Linear(nn.Module):
 
     # ----- dtype / state-dict safety -------------------------------------------------------------
     def _apply(self, fn, recurse=True):
-        scale = self.weight_scale
+        kept = {name: getattr(self, name) for name in ("weight_scale", "column_bound")
+                if getattr(self, name, None) is not None}
         super()._apply(fn, recurse)
         if self.weight.dtype != FP8_DTYPE:  # e.g. model.to(torch.bfloat16): e4m3 -> bf16 -> e4m3 is exact
             self.weight = self.weight.to(FP8_DTYPE)
-        if self.weight_scale.dtype != torch.float32:
-            self.weight_scale = scale.to(device=self.weight_scale.device)
+        for name, value in kept.items():  # float32 scales and bounds stay float32
+            if getattr(self, name).dtype != torch.float32:
+                setattr(self, name, value.to(device=getattr(self, name).device))
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -163,6 +166,36 @@ class ScaledMMLinear(Fp8Linear):
         self.emulate = bool(emulate)
         self.fast_accum = bool(fast_accum)
         self.gemm_kernel = gemm_kernel
+        self.register_buffer("column_bound", None, persistent=False)
+        self.refresh_column_bound()
+
+    @torch.no_grad()
+    def refresh_column_bound(self) -> None:
+        """Recompute :attr:`column_bound` ((2,) float32: max row norm of the dequantized weight, max |bias|; see
+        :func:`.gelu_gemm.column_bound`) from the current weight, in place when it exists (a captured CUDA graph
+        reads the same memory). Kept for row-wise CUDA layers only (``None`` otherwise): the fused GELU GEMM
+        bounds its output with it. Called on construction, after loading a state dict, after a move to CUDA and
+        by whatever rewrites the weight in place (``qwen_edit.fp8_dit.requantize_in_place``)."""
+        if self.granularity != "rowwise" or not self.weight.is_cuda:
+            self.column_bound = None
+            return
+        value = column_bound(self.weight, self.weight_scale, self.bias)
+        if self.column_bound is not None and self.column_bound.device == value.device:
+            self.column_bound.copy_(value)
+        else:
+            self.column_bound = value
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.column_bound is None and self.weight.is_cuda:  # moved to the GPU after quantizing elsewhere
+            self.refresh_column_bound()
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        self.refresh_column_bound()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, granularity: str = "rowwise", emulate: bool = False,

@@ -40,6 +40,7 @@ __all__ = [
     "RESIDUAL_OP_NAME",
     "modulate_quantize_rowwise",
     "norm_quant_problem",
+    "quantized_row_norms",
     "reference_modulate_quantize",
     "reference_residual_modulate_quantize",
     "residual_modulate_quantize_rowwise",
@@ -188,16 +189,17 @@ if triton is not None:
         _quantize_store_row(out_row, scale_ptr + row, m0, m1, m2, cols, mask, BLOCK, CHUNKS, INTERPRET)
 
     @triton.jit
-    def _modulate_quant_rows_kernel(x_ptr, mod_ptr, sel_ptr, out_ptr, scale_ptr, y_ptr, bias_ptr, new_ptr, n_rows,
-                                    tokens, sets, stride_x, stride_y, stride_mod, gate_off, shift_off, scale_off, eps,
-                                    HAS_SELECTOR: tl.constexpr,  # noqa: N803
+    def _modulate_quant_rows_kernel(x_ptr, mod_ptr, sel_ptr, out_ptr, scale_ptr, y_ptr, bias_ptr, new_ptr, norm_ptr,
+                                    n_rows, tokens, sets, stride_x, stride_y, stride_mod, gate_off, shift_off,
+                                    scale_off, eps, HAS_SELECTOR: tl.constexpr,  # noqa: N803
                                     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,  # noqa: N803
-                                    BLOCK: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
+                                    BLOCK: tl.constexpr, NORMS: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
         """ROWS rows per program as a (ROWS, BLOCK) tile per chunk, rows of exactly 3 * BLOCK columns.
 
         Each reduction (mean, variance, amax) is one cross-warp reduction for all ROWS rows: the three
         chunks are combined in registers first. Rows past ``n_rows`` take the last row's modulation row,
-        load zeros and store nothing.
+        load zeros and store nothing. NORMS: also the L2 norm of each quantized row as the GEMM reads it,
+        ``||codes|| * scale`` from the e4m3 codes themselves (for :mod:`.gelu_gemm`'s bound).
         """
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         live = rows < n_rows
@@ -230,18 +232,25 @@ if triton is not None:
         scale = tl.maximum(amax, _EPS) / _E4M3_MAX
         inv = (1.0 / scale)[:, None]
         out_row = out_ptr + r2 * n_cols
-        tl.store(out_row + cols, _to_e4m3(tl.clamp(m0 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET), mask=live2)
-        tl.store(out_row + BLOCK + cols, _to_e4m3(tl.clamp(m1 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET), mask=live2)
-        tl.store(out_row + 2 * BLOCK + cols, _to_e4m3(tl.clamp(m2 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET),
-                 mask=live2)
+        c0 = _to_e4m3(tl.clamp(m0 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET)
+        c1 = _to_e4m3(tl.clamp(m1 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET)
+        c2 = _to_e4m3(tl.clamp(m2 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET)
+        tl.store(out_row + cols, c0, mask=live2)
+        tl.store(out_row + BLOCK + cols, c1, mask=live2)
+        tl.store(out_row + 2 * BLOCK + cols, c2, mask=live2)
         tl.store(scale_ptr + rows, scale, mask=live)
+        if NORMS:
+            f0, f1, f2 = c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32)
+            tl.store(norm_ptr + rows, tl.sqrt(tl.sum(f0 * f0 + f1 * f1 + f2 * f2, axis=1)) * scale, mask=live)
 
     def _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, residual, num_warps, split_rows,
-                rows_per_program):
-        """residual: None or (y2d, bias or None, gate_index, new2d). Returns (x8, scale)."""
+                rows_per_program, with_norms=False):
+        """residual: None or (y2d, bias or None, gate_index, new2d). Returns (x8, scale, norms): norms (rows, 1)
+        float32 with ``with_norms`` (:func:`quantized_row_norms`' values), else (0, 1)."""
         rows, cols = x2d.shape
         out = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x2d.device)
         scale = torch.empty((rows, 1), dtype=torch.float32, device=x2d.device)
+        norms = torch.empty((rows if with_norms else 0, 1), dtype=torch.float32, device=x2d.device)
         sets = mod.shape[0] // 2 if selector is not None else mod.shape[0]
         y2d, bias, gate_index, new2d = residual if residual is not None else (x2d, None, 0, x2d)
         chunks, block = row_chunks(cols, split_rows)
@@ -252,43 +261,54 @@ if triton is not None:
                 new2d)
         if rows_per_program > 0 and chunks == 3:
             wrap_triton(_modulate_quant_rows_kernel)[(triton.cdiv(rows, rows_per_program),)](
-                *args, rows, tokens, sets, x2d.stride(0), y2d.stride(0), mod.stride(0), gate_index * cols,
-                shift_index * cols, scale_index * cols, eps, ROWS=rows_per_program, **common)
+                *args, norms if with_norms else scale, rows, tokens, sets, x2d.stride(0), y2d.stride(0),
+                mod.stride(0), gate_index * cols, shift_index * cols, scale_index * cols, eps, ROWS=rows_per_program,
+                NORMS=with_norms, **common)
         else:
             wrap_triton(_modulate_quant_kernel)[(rows,)](
                 *args, cols, tokens, sets, x2d.stride(0), y2d.stride(0), mod.stride(0), gate_index * cols,
                 shift_index * cols, scale_index * cols, eps, CHUNKS=chunks, **common)
-        return out, scale
+            if with_norms:  # the one-row kernel has no norms output: the same values from its codes
+                norms.copy_(quantized_row_norms(out, scale))
+        return out, scale, norms
 
     @triton_op(OP_NAME, mutates_args={})
     def _modulate_quantize_op(x2d: torch.Tensor, tokens: int, eps: float, mod: torch.Tensor, n_params: int,
                               shift_index: int, scale_index: int, selector: torch.Tensor | None,
                               num_warps: int = DEFAULT_WARPS, split_rows: bool = True,
-                              rows_per_program: int = DEFAULT_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+                              rows_per_program: int = DEFAULT_ROWS, with_norms: bool = False
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, None, num_warps, split_rows,
-                       rows_per_program)
+                       rows_per_program, with_norms)
 
     @triton_op(RESIDUAL_OP_NAME, mutates_args={})
     def _residual_modulate_quantize_op(x2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, tokens: int,
                                        eps: float, mod: torch.Tensor, n_params: int, gate_index: int,
                                        shift_index: int, scale_index: int, selector: torch.Tensor | None,
                                        num_warps: int = DEFAULT_WARPS, split_rows: bool = True,
-                                       rows_per_program: int = DEFAULT_ROWS
-                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                       rows_per_program: int = DEFAULT_ROWS, with_norms: bool = False
+                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         new2d = torch.empty_like(x2d)
-        out, scale = _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector,
-                             (y2d, bias, gate_index, new2d), num_warps, split_rows, rows_per_program)
-        return new2d, out, scale
+        out, scale, norms = _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector,
+                                    (y2d, bias, gate_index, new2d), num_warps, split_rows, rows_per_program,
+                                    with_norms)
+        return new2d, out, scale, norms
+
+
+def quantized_row_norms(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(M, 1) float32 L2 norms of the dequantized rows ``x8[t] * scale[t]`` (x8 (M, K) e4m3, scale (M, 1))."""
+    return x8.float().pow(2).sum(-1, keepdim=True).sqrt() * scale.reshape(-1, 1).float()
 
 
 def modulate_quantize_rowwise(x: torch.Tensor, eps: float, mod: torch.Tensor, n_params: int, shift_index: int,
-                              scale_index: int, selector: torch.Tensor | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+                              scale_index: int, selector: torch.Tensor | None = None, with_norms: bool = False
+                              ) -> tuple[torch.Tensor, ...]:
     """Fused ``quantize_rowwise(LayerNorm(x) * (1 + scale) + shift)`` (layout: module docstring).
 
     x: [B, S, D] bf16 CUDA; mod: [R, n_params * D] with contiguous rows; selector: None, or a bool
     tensor of S elements ([S] or [1, S, 1]). Returns (x8 [B * S, D] float8_e4m3fn, scale [B * S, 1]
-    float32). Raises ValueError with the reason where the kernel cannot run.
+    float32), and with ``with_norms`` also norms [B * S, 1] float32 (:func:`quantized_row_norms`, from the
+    kernel's own codes). Raises ValueError with the reason where the kernel cannot run.
     """
     problem = norm_quant_problem(x.device, x.shape[-1])
     if problem is not None:
@@ -297,20 +317,23 @@ def modulate_quantize_rowwise(x: torch.Tensor, eps: float, mod: torch.Tensor, n_
         raise ValueError(f"modulate_quantize_rowwise takes x [B, S, D] bf16 and mod [R, C] with contiguous rows, "
                          f"got x {x.dtype} {tuple(x.shape)}, mod {tuple(mod.shape)} strides {mod.stride()}")
     sel = None if selector is None else selector.reshape(-1).to(torch.uint8)
-    return _modulate_quantize_op(x.reshape(-1, x.shape[-1]).contiguous(), x.shape[1], float(eps), mod, n_params,
-                                 shift_index, scale_index, sel, DEFAULT_WARPS, gelu_quant.SPLIT_ROWS, DEFAULT_ROWS)
+    x8, scale, norms = _modulate_quantize_op(x.reshape(-1, x.shape[-1]).contiguous(), x.shape[1], float(eps), mod,
+                                             n_params, shift_index, scale_index, sel, DEFAULT_WARPS,
+                                             gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, with_norms)
+    return (x8, scale, norms) if with_norms else (x8, scale)
 
 
 def residual_modulate_quantize_rowwise(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, eps: float,
                                        mod: torch.Tensor, n_params: int, gate_index: int, shift_index: int,
-                                       scale_index: int, selector: torch.Tensor | None = None
-                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                       scale_index: int, selector: torch.Tensor | None = None,
+                                       with_norms: bool = False) -> tuple[torch.Tensor, ...]:
     """Fused gated residual update, then :func:`modulate_quantize_rowwise` of the updated stream.
 
     ``new = x + gate * (y + bias)`` (bf16 roundings as eager's bias add and ``addcmul``; ``gate`` the
     modulation vector at ``gate_index``, chosen per token as shift and scale are), then the quantized
     ``LayerNorm(new) * (1 + scale) + shift``. x: [B, S, D] bf16 CUDA; y: [B * S, D] bf16 with contiguous rows;
-    bias: [D] or None. Returns (new [B, S, D] bf16, x8 [B * S, D] float8_e4m3fn, scale [B * S, 1] float32).
+    bias: [D] or None. Returns (new [B, S, D] bf16, x8 [B * S, D] float8_e4m3fn, scale [B * S, 1] float32), and
+    with ``with_norms`` also norms [B * S, 1] float32 (:func:`quantized_row_norms`).
     """
     problem = norm_quant_problem(x.device, x.shape[-1])
     if problem is not None:
@@ -319,8 +342,8 @@ def residual_modulate_quantize_rowwise(x: torch.Tensor, y: torch.Tensor, bias: t
         raise ValueError(f"residual_modulate_quantize_rowwise takes x [B, S, D] and y [B * S, D] bf16 with contiguous "
                          f"rows, got x {x.dtype} {tuple(x.shape)}, y {y.dtype} {tuple(y.shape)}")
     sel = None if selector is None else selector.reshape(-1).to(torch.uint8)
-    new, x8, scale = _residual_modulate_quantize_op(
+    new, x8, scale, norms = _residual_modulate_quantize_op(
         x.reshape(-1, x.shape[-1]).contiguous(), y, bias.to(y.dtype).contiguous() if bias is not None else None,
         x.shape[1], float(eps), mod, n_params, gate_index, shift_index, scale_index, sel, DEFAULT_WARPS,
-        gelu_quant.SPLIT_ROWS, DEFAULT_ROWS)
-    return new.reshape(x.shape), x8, scale
+        gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, with_norms)
+    return (new.reshape(x.shape), x8, scale, norms) if with_norms else (new.reshape(x.shape), x8, scale)

@@ -88,6 +88,9 @@ def requantize_in_place(variant: torch.nn.Module, base_module: torch.nn.Module, 
             owner.weight_scale[rows].copy_(scale.reshape(owner.weight_scale[rows].shape))
         else:
             getattr(owner, attr)[rows].copy_(source)
+    for owner in {id(o): o for o, *_ in plan}.values():
+        if isinstance(owner, ScaledMMLinear):  # its output bound follows the new weight (fused GELU GEMM)
+            owner.refresh_column_bound()
     return True
 
 

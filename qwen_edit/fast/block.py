@@ -12,7 +12,8 @@ for a batch, written so that ``torch.compile`` turns the elementwise work into f
   (no copies); ``norm -> (1 + scale) * x + shift`` is one ``addcmul`` and the gated residuals are
   ``addcmul`` too (one pass each in eager, fused into neighbours by Inductor).
 * MLP through :func:`.mlp.mlp_residual`: with a row-wise fp8 second linear on a GPU, bias + GELU +
-  quantization of the hidden state in one Triton kernel.
+  quantization of the hidden state in one Triton kernel; on Hopper, for the image stream, in the up-projection's
+  own GEMM (:mod:`...fp8.gelu_gemm`, its input quantized with row norms).
 * gated residual updates in the output projections' cuBLASLt epilogue where the layers run there and the gate
   is one row (:mod:`.residual_gemm`).
 * with row-wise fp8 consumers on a GPU, LayerNorm + modulation + quantization of each stream's
@@ -34,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ...fp8.attention import attention
 from . import qkv
 from .fp8_attention import cudnn_fp8_joint_attention, split_output
-from .mlp import mlp_residual, mlp_takes_prequantized
+from .mlp import mlp_residual, mlp_takes_prequantized, uses_gelu_gemm
 from .prequant import (
     Prequantized,
     apply_linear,
@@ -274,7 +275,8 @@ def fast_block(
 
     image, img_in = residual_then_modulated(image, img_p[2], attn.to_out[0], img_attn, block.img_norm2.eps,
                                             img_mod, (2, 3, 4), img_p[3], img_p[4], selector,
-                                            mlp_takes_prequantized(block.img_mlp, image))
+                                            mlp_takes_prequantized(block.img_mlp, image),
+                                            uses_gelu_gemm(block.img_mlp, image))
     text, txt_in = residual_then_modulated(text, txt_p[2], attn.to_add_out, txt_attn, block.txt_norm2.eps,
                                            txt_mod, (2, 3, 4), txt_p[3], txt_p[4], None,
                                            mlp_takes_prequantized(block.txt_mlp, text))

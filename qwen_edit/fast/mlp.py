@@ -13,6 +13,12 @@ already quantized (:class:`.prequant.Prequantized`, when :func:`mlp_takes_prequa
 
 ``FUSED_GELU_QUANT`` (environment ``QWEN_EDIT_FUSED_GELU_QUANT=0`` turns it off) exists so the
 benchmark can time both paths in one run.
+
+Where the up-projection is a fast-accumulation row-wise fp8 layer on Hopper and the input arrives quantized with
+its rows' norms (:func:`uses_gelu_gemm`; the image stream), one Triton GEMM does the up-projection, bias, GELU and
+the e4m3 cast (:func:`...fp8.gelu_gemm.gelu_gemm_rowwise`), with a row scale from a bound instead of the row's
+amax; the bf16 hidden state is never written. ``FUSED_GELU_GEMM`` (environment ``QWEN_EDIT_FUSED_GELU_GEMM=0``)
+is its switch.
 """
 
 from __future__ import annotations
@@ -21,13 +27,18 @@ import os
 
 import torch
 
+from ...fp8.gelu_gemm import MIN_ROWS, gelu_gemm_rowwise
 from ...fp8.gelu_quant import gelu_quant_problem, gelu_quantize_rowwise
 from .prequant import Prequantized, takes_prequantized, unbiased_output
 from .residual_gemm import gated_residual_gemm
 
-__all__ = ["FUSED_GELU_QUANT", "mlp_forward", "mlp_residual", "mlp_takes_prequantized", "uses_fused_gelu_quant"]
+__all__ = ["FUSED_GELU_GEMM", "FUSED_GELU_QUANT", "mlp_forward", "mlp_residual", "mlp_takes_prequantized",
+           "uses_fused_gelu_quant", "uses_gelu_gemm"]
 
 FUSED_GELU_QUANT = os.environ.get("QWEN_EDIT_FUSED_GELU_QUANT", "1") != "0"
+
+FUSED_GELU_GEMM = os.environ.get("QWEN_EDIT_FUSED_GELU_GEMM", "1") != "0"
+"""Switch for :func:`uses_gelu_gemm` (A/B benches; Dynamo guards on it)."""
 
 
 def uses_fused_gelu_quant(mlp: torch.nn.Module, x: torch.Tensor) -> bool:
@@ -42,10 +53,23 @@ def mlp_takes_prequantized(mlp: torch.nn.Module, x: torch.Tensor) -> bool:
     return uses_fused_gelu_quant(mlp, x) and takes_prequantized(mlp.net[0].proj)
 
 
+def uses_gelu_gemm(mlp: torch.nn.Module, x: torch.Tensor) -> bool:
+    """True when :func:`mlp_forward` should get its input (like ``x``, (B, S, D) bf16) quantized with row norms, for
+    the fused GELU GEMM: :data:`FUSED_GELU_GEMM`, the fused path (:func:`mlp_takes_prequantized`), an up-projection
+    with fast accumulation and a :attr:`column_bound`, a Hopper GPU, and at least ``gelu_gemm.MIN_ROWS`` rows."""
+    up = mlp.net[0].proj
+    return (FUSED_GELU_GEMM and x.is_cuda and mlp_takes_prequantized(mlp, x) and up.fast_accum
+            and getattr(up, "column_bound", None) is not None and x.shape[0] * x.shape[1] >= MIN_ROWS
+            and tuple(torch.cuda.get_device_capability(x.device)) == (9, 0))
+
+
 def _quantized_hidden(mlp: torch.nn.Module, x: torch.Tensor | Prequantized
                       ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The fused path up to the down-projection: (hidden x8 (B * S, 4D) e4m3, scale (B * S, 1) float32, B, S)."""
     up = mlp.net[0].proj
+    if isinstance(x, Prequantized) and x.norms is not None:  # one GEMM: up-projection, bias, GELU, e4m3 cast
+        h8, h_scale = gelu_gemm_rowwise(x.x8, x.scale, x.norms, up.weight, up.weight_scale, up.bias, up.column_bound)
+        return h8, h_scale, x.batch, x.tokens
     if isinstance(x, Prequantized):
         hidden, up_bias, batch, tokens = up.gemm(x.x8, x.scale, torch.bfloat16), up.bias, x.batch, x.tokens
     else:

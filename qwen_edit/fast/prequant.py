@@ -38,12 +38,15 @@ FUSED_NORM_QUANT = os.environ.get("QWEN_EDIT_FUSED_NORM_QUANT", "1") != "0"
 
 
 class Prequantized(NamedTuple):
-    """A (B, S, K) bf16 activation in row-wise fp8: x8 (B * S, K) float8_e4m3fn, scale (B * S, 1) float32."""
+    """A (B, S, K) bf16 activation in row-wise fp8: x8 (B * S, K) float8_e4m3fn, scale (B * S, 1) float32; norms
+    (B * S, 1) float32, the dequantized rows' L2 norms, when the quantizing kernel was asked for them (the fused
+    GELU GEMM's bound, :mod:`...fp8.gelu_gemm`), else None."""
 
     x8: torch.Tensor
     scale: torch.Tensor
     batch: int
     tokens: int
+    norms: torch.Tensor | None = None
 
 
 def takes_prequantized(layer: torch.nn.Module) -> bool:
@@ -58,24 +61,26 @@ def _fusable(consumers_take_fp8: bool, x: torch.Tensor) -> bool:
 
 def modulated_input(x: torch.Tensor, eps: float, mod: torch.Tensor, shift_index: int, scale_index: int,
                     shift: torch.Tensor, scale: torch.Tensor, selector: torch.Tensor | None,
-                    consumers_take_fp8: bool) -> torch.Tensor | Prequantized:
+                    consumers_take_fp8: bool, with_norms: bool = False) -> torch.Tensor | Prequantized:
     """``LayerNorm(x) * (1 + scale) + shift``, quantized once when ``consumers_take_fp8`` and the kernel can run.
 
     x: (B, S, D); mod: the modulation GEMM output (R, 6 * D) that ``shift`` / ``scale`` (views of it,
     or per-token selections with ``selector``, see ``block._mod_params``) come from, at vector indices
     ``shift_index`` / ``scale_index``. ``consumers_take_fp8``: every layer that reads the result runs
     through :func:`apply_linear` / ``mlp.mlp_forward`` and can take a :class:`Prequantized` input.
+    ``with_norms``: the :class:`Prequantized` also carries its rows' norms (the fused GELU GEMM needs them).
     """
     if _fusable(consumers_take_fp8, x):
-        x8, x_scale = modulate_quantize_rowwise(x, eps, mod, 6, shift_index, scale_index, selector)
-        return Prequantized(x8, x_scale, x.shape[0], x.shape[1])
+        x8, x_scale, *norms = modulate_quantize_rowwise(x, eps, mod, 6, shift_index, scale_index, selector,
+                                                        with_norms)
+        return Prequantized(x8, x_scale, x.shape[0], x.shape[1], norms[0] if norms else None)
     return torch.addcmul(shift, F.layer_norm(x, (x.shape[-1],), eps=eps), 1 + scale)
 
 
 def residual_then_modulated(x: torch.Tensor, gate: torch.Tensor, layer: torch.nn.Module, layer_input: torch.Tensor,
                             eps: float, mod: torch.Tensor, indices: tuple[int, int, int], shift: torch.Tensor,
-                            scale: torch.Tensor, selector: torch.Tensor | None, consumers_take_fp8: bool
-                            ) -> tuple[torch.Tensor, torch.Tensor | Prequantized]:
+                            scale: torch.Tensor, selector: torch.Tensor | None, consumers_take_fp8: bool,
+                            with_norms: bool = False) -> tuple[torch.Tensor, torch.Tensor | Prequantized]:
     """``x + gate * layer(layer_input)`` and :func:`modulated_input` of it.
 
     Where :func:`.residual_gemm.gated_residual_gemm` applies (a :class:`Prequantized` input), the layer's GEMM
@@ -84,7 +89,8 @@ def residual_then_modulated(x: torch.Tensor, gate: torch.Tensor, layer: torch.nn
 
     x: (B, S, D) residual stream; layer_input: (B, S, K), or a :class:`Prequantized` one when ``layer`` is a
     row-wise fp8 GEMM (the cuDNN FP8 attention's output); indices: (gate, shift, scale) vector indices in
-    ``mod``. Returns (the new residual stream, the modulated input of the next consumers).
+    ``mod``. ``with_norms``: as :func:`modulated_input`'s. Returns (the new residual stream, the modulated input of
+    the next consumers).
     """
     new = None
     if isinstance(layer_input, Prequantized):  # the GEMM writes the new residual stream (cuBLASLt epilogue)
@@ -92,11 +98,13 @@ def residual_then_modulated(x: torch.Tensor, gate: torch.Tensor, layer: torch.nn
     if new is None and _fusable(consumers_take_fp8, x):
         flat = layer_input if isinstance(layer_input, Prequantized) else layer_input.reshape(-1, layer_input.shape[-1])
         update, bias = unbiased_output(layer, flat)
-        new, x8, x_scale = residual_modulate_quantize_rowwise(x, update, bias, eps, mod, 6, *indices, selector)
-        return new, Prequantized(x8, x_scale, x.shape[0], x.shape[1])
+        new, x8, x_scale, *norms = residual_modulate_quantize_rowwise(x, update, bias, eps, mod, 6, *indices,
+                                                                      selector, with_norms)
+        return new, Prequantized(x8, x_scale, x.shape[0], x.shape[1], norms[0] if norms else None)
     if new is None:
         new = torch.addcmul(x, gate, apply_linear(layer, layer_input))
-    return new, modulated_input(new, eps, mod, indices[1], indices[2], shift, scale, selector, consumers_take_fp8)
+    return new, modulated_input(new, eps, mod, indices[1], indices[2], shift, scale, selector, consumers_take_fp8,
+                                with_norms)
 
 
 def unbiased_output(layer: torch.nn.Module, x2d: torch.Tensor | Prequantized

@@ -95,10 +95,12 @@ for b, s, d, sets, with_sel, first in ((1, 5, 200, 1, False, 0), (2, 6, 128, 1, 
     mod = torch.randn(sets * (2 if with_sel else 1), 6 * d, generator=g).bfloat16()
     sel = (torch.arange(s) % 3 != 1) if with_sel else None
     for per_program in (0, 1, 4):
-        x8, scale = nq._modulate_quantize_op(x.reshape(-1, d), s, 1e-6, mod, 6, first, first + 1,
-                                             None if sel is None else sel.to(torch.uint8), 2, True, per_program)
+        x8, scale, norms = nq._modulate_quantize_op(x.reshape(-1, d), s, 1e-6, mod, 6, first, first + 1,
+                                                    None if sel is None else sel.to(torch.uint8), 2, True, per_program,
+                                                    True)
         r8, rs = truncating_reference(x, 1e-6, mod, first, sel)
         rows.append(dict(case=[b, s, d, sets, with_sel, first, per_program],
+                         norms_err=relative_error(norms, nq.quantized_row_norms(x8, scale)),
                          finite=bool(torch.isfinite(x8.float()).all()), scale_err=relative_error(scale, rs),
                          err=relative_error(dequantize(x8, scale), dequantize(r8, rs)),
                          same_codes=float((x8.float() == r8.float()).float().mean())))
@@ -110,9 +112,10 @@ for b, s, d, sets, with_sel, with_bias in ((2, 6, 128, 1, False, True), (2, 9, 9
     mod = torch.randn(sets * (2 if with_sel else 1), 6 * d, generator=g).bfloat16()
     sel = (torch.arange(s) % 3 != 1) if with_sel else None
     for per_program in (0, 1, 2):
-        new, x8, scale = nq._residual_modulate_quantize_op(x.reshape(-1, d), y, bias, s, 1e-6, mod, 6, 2, 3, 4,
-                                                           None if sel is None else sel.to(torch.uint8), 2, True,
-                                                           per_program)
+        new, x8, scale, norms = nq._residual_modulate_quantize_op(x.reshape(-1, d), y, bias, s, 1e-6, mod, 6, 2, 3,
+                                                                  4, None if sel is None else sel.to(torch.uint8), 2,
+                                                                  True, per_program, per_program == 1)
+        assert norms.shape == ((b * s, 1) if per_program == 1 else (0, 1))
         rows_ = nq._modulation_rows(b * s, s, sets, sel, x.device)
         gate = mod.unflatten(-1, (6, d))[rows_][:, 2].float()
         update = y.float() if bias is None else truncate_bf16(y.float() + bias.float())
@@ -139,3 +142,5 @@ def test_kernel_matches_the_reference_under_the_interpreter():
         assert row["scale_err"] < 1e-2, row
         assert row["err"] < 2e-2, row
         assert row["same_codes"] > 0.98, row
+        # the norms of the kernel's own codes (multi-row kernel) or of its output (one-row kernel, in torch)
+        assert row.get("norms_err", 0.0) < 1e-6, row
