@@ -23,6 +23,8 @@ and power drift hit all variants alike. Variants:
 * with ``--residual`` instead: the gated residual updates after the output projections unfused (the twelfth
   session's forward) or in the cuBLASLt epilogue (``fast.residual_gemm.SITES``), then also the image stream's
   Q/K/V as one GEMM (``qkv.USE_FUSED``), then also shared-input modulation;
+* with ``--gelu-gemm`` instead: the image MLP's hidden state by cuBLASLt + ``fp8.gelu_quant`` or by the fused
+  GELU GEMM (``fp8.gelu_gemm``, ``fast.mlp.FUSED_GELU_GEMM``);
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
   (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
   timed a cross-block residual update, since removed: docs/experiments/forward.md.)
@@ -93,6 +95,12 @@ RESIDUAL_VARIANTS = (  # small-M GEMMs and CUDA graphs; 9th field: qkv.USE_FUSED
     ("epilogue + image Q/K/V + shared-input modulation", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED,
      ("image", "text"), SHIPPED, ("attention", "mlp")),
 )
+GELU_GEMM_VARIANTS = (  # small-M GEMMs and CUDA graphs, shipped residual sites; 12th field: mlp.FUSED_GELU_GEMM
+    ("hidden state: cuBLASLt + gelu_quant", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED,
+     SHIPPED, False),
+    ("hidden state: fused GELU GEMM", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED, SHIPPED,
+     True),
+)
 GEMM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 7th field: ScaledMMLinear.gemm_kernel
     ("torch._scaled_mm GEMMs", False, True, True, SHIPPED, SHIPPED, "torch"),
     ("workspace-free cuBLASLt GEMMs", False, True, True, SHIPPED, SHIPPED, "cublaslt"),
@@ -126,13 +134,15 @@ def main() -> int:
     parser.add_argument("--residual", action="store_true",
                         help="instead: residual updates unfused or in the GEMM epilogue, image Q/K/V fused, "
                              "shared-input modulation")  # fmt: skip
+    parser.add_argument("--gelu-gemm", action="store_true",
+                        help="instead: the image MLP's hidden state by cuBLASLt + gelu_quant or by the fused GELU GEMM")
     parser.add_argument("--zero-cond-t", action="store_true",
                         help="every forward with Qwen-Image-Edit-2511's zero_cond_t (reference tokens at timestep 0)")
     parser.add_argument("--only", metavar="I,J", help="run only these variants (0-based indices of the mode's list)")
     args = parser.parse_args()
     variants = (NORM_VARIANTS if args.norm else SCALAR_VARIANTS if args.scalars else GEMM_VARIANTS if args.gemm
                 else QK_BOUND_VARIANTS if args.qk_bound else TEXT_VARIANTS if args.text
-                else RESIDUAL_VARIANTS if args.residual
+                else RESIDUAL_VARIANTS if args.residual else GELU_GEMM_VARIANTS if args.gelu_gemm
                 else VARIANTS + (MODULATION_VARIANTS if args.modulation else ()))  # fmt: skip
     if args.only:
         variants = tuple(variants[int(i)] for i in args.only.split(","))
@@ -141,12 +151,13 @@ def main() -> int:
     from qwen_edit_hopper.fp8.linear import ScaledMMLinear
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
-    from qwen_edit_hopper.qwen_edit.fast import fp8_attention, graphs, modulation, qkv, residual_gemm
+    from qwen_edit_hopper.qwen_edit.fast import fp8_attention, graphs, mlp, modulation, qkv, residual_gemm
 
     shipped_rows, shipped_scalars = norm_quant.DEFAULT_ROWS, fp8_attention.V_KERNEL_SCALARS
     shipped_qk_bound = fp8_attention.QK_KERNEL_BOUND
     shipped_split_k = small_m_gemm.SPLIT_K
     shipped_sites, shipped_fused = residual_gemm.SITES, qkv.USE_FUSED
+    shipped_gelu_gemm = mlp.FUSED_GELU_GEMM
     if args.split_k_config:
         small_m_gemm.SPLIT_K_CONFIGS[(12288, 3072)] = tuple(int(v) for v in args.split_k_config.split(","))
 
@@ -175,8 +186,9 @@ def main() -> int:
         text_qkv = True if len(extra) < 3 else extra[2]
         use_fused = shipped_fused if text_qkv is True else () if text_qkv is False else text_qkv
         split_k = shipped_split_k if len(extra) < 4 or extra[3] is SHIPPED else extra[3]
-        sites = shipped_sites if len(extra) < 5 else extra[4]
-        signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, use_fused, split_k, sites)
+        sites = shipped_sites if len(extra) < 5 or extra[4] is SHIPPED else extra[4]
+        gelu_gemm = shipped_gelu_gemm if len(extra) < 6 or extra[5] is SHIPPED else extra[5]
+        signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, use_fused, split_k, sites, gelu_gemm)
 
         def call():
             if current[0] != signature:  # not in a graph's signature
@@ -185,6 +197,7 @@ def main() -> int:
                 fp8_attention.QK_KERNEL_BOUND = qk_bound
                 qkv.USE_FUSED = use_fused
                 residual_gemm.SITES = sites
+                mlp.FUSED_GELU_GEMM = gelu_gemm
                 small_m_gemm.SPLIT_K = split_k
                 for layer in layers:
                     layer.gemm_kernel = gemm
