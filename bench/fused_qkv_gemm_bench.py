@@ -35,6 +35,10 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from pack import load_pack
+
+load_pack()
+from qwen_edit_hopper.fp8.gelu_gemm import _tile_ids  # noqa: E402  (the shipped kernel's tile order)
 
 CALLS = 12
 E4M3_MAX = 448.0
@@ -48,14 +52,6 @@ CONFIGS = (
     (128, 128, 128, 4, 4, 8, True),
     (64, 128, 128, 4, 5, 8, True),
 )
-
-
-@triton.jit
-def _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):  # noqa: N803
-    group = GROUP_M * num_pid_n
-    first_m = (tile_id // group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile_id % size_m), (tile_id % group) // size_m
 
 
 @triton.jit
@@ -171,9 +167,6 @@ def main() -> int:
         compile_only()
         return 0
     import harness_core as hc
-    from pack import load_pack
-
-    load_pack()
     from qwen_edit_hopper.fp8 import cublaslt_gemm as lt
     from qwen_edit_hopper.fp8.qk_norm_quant import qk_norm_rope_quantize_scaled
     from qwen_edit_hopper.fp8.quant import quantize_rowwise

@@ -40,6 +40,10 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from pack import load_pack
+
+load_pack()
+from qwen_edit_hopper.fp8.gelu_gemm import _tile_ids  # noqa: E402  (the shipped kernel's tile order)
 
 CALLS = 12
 E4M3_MAX = 448.0
@@ -50,14 +54,6 @@ CONFIGS = (
     (128, 256, 64, 8, 5, 8, False),
     (256, 128, 128, 8, 3, 8, False),
 )
-
-
-@triton.jit
-def _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):  # noqa: N803
-    group = GROUP_M * num_pid_n
-    first_m = (tile_id // group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile_id % size_m), (tile_id % group) // size_m
 
 
 @triton.jit
@@ -170,9 +166,6 @@ def main() -> int:
         compile_only()
         return 0
     import harness_core as hc
-    from pack import load_pack
-
-    load_pack()
     from qwen_edit_hopper.fp8 import cublaslt_gemm as lt
     from qwen_edit_hopper.fp8.gelu_quant import gelu_quantize_rowwise
     from qwen_edit_hopper.fp8.quant import quantize_rowwise

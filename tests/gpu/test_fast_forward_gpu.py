@@ -188,6 +188,30 @@ def test_fused_norm_and_gelu_quantize_kernels_are_as_accurate_as_inductor(dit, i
     assert errors[True] < 1.05 * errors[False] + 1e-3
 
 
+def _spied_switch_runs(dit, inputs, zero_cond_t, monkeypatch, module, spied: str, switch: str, settings: tuple):
+    """The fastest preset's layers (row-wise, fast accumulation, cuBLASLt GEMMs), eager, cuDNN FP8 attention: for each
+    of ``settings`` of ``module.<switch>``, (batch-1 output, batch-2 output, calls of ``module.<spied>`` at batch 1,
+    at batch 2)."""
+    x, prompts = inputs
+    model = copy.deepcopy(dit)
+    quantize_linears(model, Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True,
+                                      gemm_kernel="cublaslt"))
+    calls = []
+    real = getattr(module, spied)
+    monkeypatch.setattr(module, spied, lambda *a: calls.append(1) or real(*a))
+    two = {**x, **batch_prompts(prompts), "latents": x["latents"].expand(2, -1, -1, -1)}
+    outs = {}
+    for setting in settings:
+        monkeypatch.setattr(module, switch, setting)
+        with torch.no_grad():
+            one = fast_model_fn(model, **x, **prompts[0], zero_cond_t=zero_cond_t, attention_backend="cudnn_fp8")
+            counted = len(calls)
+            both = fast_model_fn(model, **two, zero_cond_t=zero_cond_t, attention_backend="cudnn_fp8")
+        outs[setting] = (one, both, counted, len(calls) - counted)
+        calls.clear()
+    return outs
+
+
 @pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
 def test_residual_updates_in_the_gemm_epilogue_match_the_unfused_path(dit, inputs, zero_cond_t, monkeypatch):
     """The fastest preset's layers (row-wise, fast accumulation, cuBLASLt GEMMs, cuDNN FP8 attention), eager:
@@ -200,22 +224,8 @@ def test_residual_updates_in_the_gemm_epilogue_match_the_unfused_path(dit, input
 
     x, prompts = inputs
     ref = _diffsynth(dit, x, prompts[0], zero_cond_t=zero_cond_t)
-    model = copy.deepcopy(dit)
-    quantize_linears(model, Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True,
-                                      gemm_kernel="cublaslt"))
-    calls = []
-    real = residual_gemm.cublaslt_rowwise_mm_residual
-    monkeypatch.setattr(residual_gemm, "cublaslt_rowwise_mm_residual", lambda *a: calls.append(1) or real(*a))
-    two = {**x, **batch_prompts(prompts), "latents": x["latents"].expand(2, -1, -1, -1)}
-    outs = {}
-    for sites in (("attention", "mlp"), ()):
-        monkeypatch.setattr(residual_gemm, "SITES", sites)
-        with torch.no_grad():
-            one = fast_model_fn(model, **x, **prompts[0], zero_cond_t=zero_cond_t, attention_backend="cudnn_fp8")
-            counted = len(calls)
-            both = fast_model_fn(model, **two, zero_cond_t=zero_cond_t, attention_backend="cudnn_fp8")
-        outs[sites] = (one, both, counted, len(calls) - counted)
-        calls.clear()
+    outs = _spied_switch_runs(dit, inputs, zero_cond_t, monkeypatch, residual_gemm, "cublaslt_rowwise_mm_residual",
+                              "SITES", (("attention", "mlp"), ()))
     one, both, batch1_calls, batch2_calls = outs[("attention", "mlp")]
     blocks = WIDE.num_layers
     assert batch1_calls == (1 if zero_cond_t else 3) * blocks
@@ -237,22 +247,8 @@ def test_fused_gelu_gemm_matches_the_two_kernel_path(dit, inputs, zero_cond_t, m
 
     x, prompts = inputs
     ref = _diffsynth(dit, x, prompts[0], zero_cond_t=zero_cond_t)
-    model = copy.deepcopy(dit)
-    quantize_linears(model, Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True,
-                                      gemm_kernel="cublaslt"))
-    calls = []
-    real = fast_mlp.gelu_gemm_rowwise
-    monkeypatch.setattr(fast_mlp, "gelu_gemm_rowwise", lambda *a: calls.append(1) or real(*a))
-    two = {**x, **batch_prompts(prompts), "latents": x["latents"].expand(2, -1, -1, -1)}
-    outs = {}
-    for fused in (True, False):
-        monkeypatch.setattr(fast_mlp, "FUSED_GELU_GEMM", fused)
-        with torch.no_grad():
-            one = fast_model_fn(model, **x, **prompts[0], zero_cond_t=zero_cond_t, attention_backend="cudnn_fp8")
-            counted = len(calls)
-            both = fast_model_fn(model, **two, zero_cond_t=zero_cond_t, attention_backend="cudnn_fp8")
-        outs[fused] = (one, both, counted, len(calls) - counted)
-        calls.clear()
+    outs = _spied_switch_runs(dit, inputs, zero_cond_t, monkeypatch, fast_mlp, "gelu_gemm_rowwise", "FUSED_GELU_GEMM",
+                              (True, False))
     blocks = WIDE.num_layers
     assert outs[True][2:] == (blocks, blocks)
     assert outs[False][2:] == (0, 0)
