@@ -133,6 +133,17 @@ if triton is not None:
         return first_m + (tile_id % size_m), (tile_id % group) // size_m
 
     @triton.jit
+    def _tile_acc(a_desc, b_desc, om, on, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # noqa: N803
+        """float32 (BM, BN) sum over K of the e4m3 products of A rows om.. and B rows on.. (TMA loads; wgmma
+        accumulates without promotion)."""
+        acc = tl.zeros((BM, BN), tl.float32)
+        for ki in range(tl.cdiv(K, BK)):
+            a = a_desc.load([om, ki * BK])
+            b = b_desc.load([on, ki * BK])
+            acc = tl.dot(a, b.T, acc)
+        return acc
+
+    @triton.jit
     def _gelu_gemm_kernel(a_desc, b_desc, c_desc, xs_ptr, xn_ptr, ws_ptr, bias_ptr, cb_ptr, hs_ptr, M, N, K,  # noqa: N803
                           margin, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,  # noqa: N803
                           BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):  # noqa: N803
@@ -140,18 +151,13 @@ if triton is not None:
         start = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = tl.cdiv(N, BN)
-        k_tiles = tl.cdiv(K, BK)
         w_norm = tl.load(cb_ptr)
         b_max = tl.load(cb_ptr + 1)
         for tile_id in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True):
             pid_m, pid_n = _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M)
             om = pid_m * BM
             on = pid_n * BN
-            acc = tl.zeros((BM, BN), tl.float32)
-            for ki in range(k_tiles):
-                a = a_desc.load([om, ki * BK])
-                b = b_desc.load([on, ki * BK])
-                acc = tl.dot(a, b.T, acc)
+            acc = _tile_acc(a_desc, b_desc, om, on, K, BM, BN, BK)
             rows = om + tl.arange(0, BM)
             cols = on + tl.arange(0, BN)
             row_ok = rows < M

@@ -33,8 +33,9 @@ import torch.nn.functional as F  # noqa: N812
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...fp8.attention import attention
+from ...fp8.v_gemm import joint_v_gemm
 from . import qkv
-from .fp8_attention import cudnn_fp8_joint_attention, split_output
+from .fp8_attention import cudnn_fp8_joint_attention, joint_v_layers, split_output
 from .mlp import mlp_residual, mlp_takes_prequantized, uses_gelu_gemm
 from .prequant import (
     Prequantized,
@@ -251,15 +252,25 @@ def fast_block(
     img_qkv, txt_qkv = _qkv_layers(attn, True), _qkv_layers(attn, False)
     img_fp8 = all(takes_prequantized(p) for p in img_qkv)
     txt_fp8 = all(takes_prequantized(p) for p in txt_qkv)
-    img_x = modulated_input(image, block.img_norm1.eps, img_mod, 0, 1, img_p[0], img_p[1], selector, img_fp8)
-    txt_x = modulated_input(text, block.txt_norm1.eps, txt_mod, 0, 1, txt_p[0], txt_p[1], None, txt_fp8)
+    v_layers = joint_v_layers(img_qkv, txt_qkv, image, backend) if key_mask is None else None
+    norms = v_layers is not None  # the joint v GEMM's bound needs both inputs' row norms
+    img_x = modulated_input(image, block.img_norm1.eps, img_mod, 0, 1, img_p[0], img_p[1], selector, img_fp8, norms)
+    txt_x = modulated_input(text, block.txt_norm1.eps, txt_mod, 0, 1, txt_p[0], txt_p[1], None, txt_fp8, norms)
     if backend in ("cudnn_fp8", "cudnn_fp8_emulated") and key_mask is None:
         # The QKV biases go into the fused QK and v kernels instead of a pass of their own.
-        (q_i, k_i, v_i), (bq_i, bk_i, bv_i) = _qkv_unbiased(attn, img_qkv, img_x)
+        v_gemm = norms and all(isinstance(x, Prequantized) and x.norms is not None for x in (img_x, txt_x))
+        (q_i, k_i, *v_i), (bq_i, bk_i, *bv_i) = _qkv_unbiased(attn, img_qkv[:2] if v_gemm else img_qkv, img_x)
         (q_t, k_t, v_t), (bq_t, bk_t, bv_t) = _qkv_unbiased(attn, txt_qkv, txt_x)
+        v_joint = None
+        if v_gemm:  # the image v GEMM writes the joint e4m3 v (and the text rows), scale from a bound
+            v_img, v_txt = v_layers
+            v_joint = joint_v_gemm(img_x.x8, img_x.scale, img_x.norms, v_img.weight, v_img.weight_scale, v_img.bias,
+                                   v_img.column_bound, v_t, bv_t, txt_x.norms, v_txt.column_bound)
+            v_i, bv_i = [None], [None]
         fp8_out = takes_prequantized(attn.to_out[0]) and takes_prequantized(attn.to_add_out)
-        out = cudnn_fp8_joint_attention(attn, (q_i, q_t), (k_i, k_t), (v_i, v_t), cos, sin, txt_lens, fp8_out,
-                                        backend == "cudnn_fp8_emulated", (bq_i, bq_t), (bk_i, bk_t), (bv_i, bv_t))
+        out = cudnn_fp8_joint_attention(attn, (q_i, q_t), (k_i, k_t), (v_i[0], v_t), cos, sin, txt_lens, fp8_out,
+                                        backend == "cudnn_fp8_emulated", (bq_i, bq_t), (bk_i, bk_t), (bv_i[0], bv_t),
+                                        v_joint)
     else:
         q_i, k_i, v_i = _qkv(attn, img_qkv, img_x)
         q_t, k_t, v_t = _qkv(attn, txt_qkv, txt_x)

@@ -32,12 +32,13 @@ from ...fp8.attention.cudnn_fp8 import (
     quantize_with_bound,
     rms_norm_bound,
 )
+from ...fp8.linear import ScaledMMLinear
 from ...fp8.qk_norm_quant import qk_norm_quant_problem, qk_norm_rope_quantize, qk_norm_rope_quantize_scaled
-from ...fp8.v_quant import joint_v_quantize_scales, reference_joint_v_quantize
+from ...fp8.v_quant import JointV, joint_v_quantize_scales, reference_joint_v_quantize
 from .prequant import Prequantized
 
-__all__ = ["FUSED_QK_QUANT", "FUSED_V_QUANT", "QK_KERNEL_BOUND", "V_KERNEL_SCALARS", "Fp8AttentionOutput",
-           "cudnn_fp8_joint_attention", "split_output"]
+__all__ = ["FUSED_QK_QUANT", "FUSED_V_QUANT", "JOINT_V_GEMM", "QK_KERNEL_BOUND", "V_KERNEL_SCALARS",
+           "Fp8AttentionOutput", "cudnn_fp8_joint_attention", "joint_v_layers", "split_output"]
 
 FUSED_QK_QUANT = os.environ.get("QWEN_EDIT_FUSED_QK_QUANT", "1") != "0"
 """QK RMSNorm + RoPE + e4m3 cast in one Triton kernel per q / k (:mod:`...fp8.qk_norm_quant`) where it can
@@ -53,6 +54,10 @@ V_KERNEL_SCALARS = True
 the v cast kernel (:func:`...fp8.v_quant.joint_v_quantize_scales`) instead of a reciprocal kernel and two
 expansions per block. A module switch so that ``bench/forward_ab_bench.py --scalars`` times both."""
 
+JOINT_V_GEMM = os.environ.get("QWEN_EDIT_JOINT_V_GEMM", "1") != "0"
+"""The image stream's v GEMM writes the joint e4m3 v itself, its scale from a bound (:mod:`...fp8.v_gemm`), where
+:func:`joint_v_layers` allows; ``QWEN_EDIT_JOINT_V_GEMM=0`` keeps the v kernels (the benchmark times both)."""
+
 QK_KERNEL_BOUND = True
 """With the fused q / k kernel: the kernel takes the q and k bounds from the RMSNorm weights itself and writes the
 descale (:func:`...fp8.qk_norm_quant.qk_norm_rope_quantize_scaled`) instead of two reductions per block before it.
@@ -67,6 +72,30 @@ class Fp8AttentionOutput:
     def __init__(self, out8: torch.Tensor, descale: torch.Tensor,
                  row_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.out8, self.descale, self.row_scales = out8, descale, row_scales
+
+
+def joint_v_layers(img_qkv: tuple[torch.nn.Module, ...], txt_qkv: tuple[torch.nn.Module, ...], image: torch.Tensor,
+                   backend: str) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(the image v layer, the text layer holding v) when :func:`...fp8.v_gemm.joint_v_gemm` can make the joint v
+    for this block and input (B, S_img, D); else None. Needs :data:`JOINT_V_GEMM`, the ``cudnn_fp8`` backend, three
+    image projections, fast-accumulation row-wise fp8 layers with a ``column_bound`` (CUDA), a Hopper GPU, image
+    tokens a multiple of the kernel's 128-row tiles and at least ``gelu_gemm.MIN_ROWS`` image rows. The inputs must
+    then arrive quantized with row norms (the caller asks the LayerNorm kernels for them)."""
+    from ...fp8.gelu_gemm import CONFIG, MIN_ROWS
+
+    if not JOINT_V_GEMM or backend != "cudnn_fp8" or len(img_qkv) != 3 or not image.is_cuda:
+        return None
+    v_img, v_txt = img_qkv[2], txt_qkv[-1]
+    for layer in (v_img, v_txt):
+        if (not isinstance(layer, ScaledMMLinear) or layer.granularity != "rowwise" or layer.emulate
+                or not layer.fast_accum or layer.column_bound is None):
+            return None
+    tokens = image.shape[1]
+    if tokens % CONFIG[0] or image.shape[0] * tokens < MIN_ROWS:
+        return None
+    if tuple(torch.cuda.get_device_capability(image.device)) != (9, 0):
+        return None
+    return v_img, v_txt
 
 
 def _joint_bound(attn: torch.nn.Module, norms: tuple[str, str], head_dim: int, device: torch.device) -> torch.Tensor:
@@ -113,6 +142,7 @@ def cudnn_fp8_joint_attention(
     q_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     k_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     v_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    v_joint: JointV | None = None,
 ) -> torch.Tensor | Fp8AttentionOutput:
     """Attention over the joint sequence; (B, S, H * Dh) bf16, or :class:`Fp8AttentionOutput` when
     ``fp8_output``. With ``txt_lens`` (right-padded text, :func:`.block.length_carriers`) one batched call
@@ -124,17 +154,21 @@ def cudnn_fp8_joint_attention(
     (B, S_img, H, Dh) and (B, L, H, Dh) bf16, any strides with Dh contiguous; S = S_img + L.
     cos, sin: (S, Dh // 2) float32 RoPE tables. ``emulate``: the kernel's fp32 mirror instead of cuDNN
     (backend ``cudnn_fp8_emulated``). q_biases, k_biases, v_biases: (image, text) (H, Dh) projection biases
-    that the parts do not include yet, or None.
+    that the parts do not include yet, or None. v_joint: the joint e4m3 v already made
+    (:func:`...fp8.v_gemm.joint_v_gemm`); ``v_parts`` and ``v_biases`` are then not read.
     """
     image_tokens = q_parts[0].shape[1]
-    v_img = v_parts[0]
-    kernels_run = (not emulate and v_img.dtype == torch.bfloat16
-                   and qk_norm_quant_problem(v_img.device, v_img.shape[-1]) is None)
+    q_img = q_parts[0]
+    kernels_run = (not emulate and q_img.dtype == torch.bfloat16
+                   and qk_norm_quant_problem(q_img.device, q_img.shape[-1]) is None)
     fused = FUSED_QK_QUANT and kernels_run
     q8, dq = _norm_rope_quantize(attn, q_parts, ("norm_q", "norm_added_q"), cos, sin, fused, q_biases)
     k8, dk = _norm_rope_quantize(attn, k_parts, ("norm_k", "norm_added_k"), cos, sin, fused, k_biases)
     scale_o = row_scales = None
-    if FUSED_V_QUANT and kernels_run:  # the cast kernel also writes 1 / descale and the output rows' scales
+    if v_joint is not None:  # the v GEMM wrote the joint e4m3 v and its scalars
+        v8, dv, scale_o, row_scales = v_joint.v8, v_joint.descale, v_joint.scale_o, (v_joint.image_rows,
+                                                                                    v_joint.text_rows)
+    elif FUSED_V_QUANT and kernels_run:  # the cast kernel also writes 1 / descale and the output rows' scales
         v = joint_v_quantize_scales(*v_parts, *v_biases)
         v8, dv = v.v8, v.descale
         if V_KERNEL_SCALARS:
@@ -145,12 +179,12 @@ def cudnn_fp8_joint_attention(
     lengths = None
     if txt_lens is not None:
         # device fills, not torch.tensor(list): no host-to-device copy, so a CUDA graph can capture it
-        lengths = torch.cat([torch.full((1,), image_tokens + c.shape[0], dtype=torch.int32, device=v_img.device)
+        lengths = torch.cat([torch.full((1,), image_tokens + c.shape[0], dtype=torch.int32, device=q_img.device)
                              for c in txt_lens])  # fmt: skip
     out8 = attention_quantized(q8, k8, v8, dq, dk, dv, emulate, lengths, scale_o)
     if fp8_output:
         return Fp8AttentionOutput(out8, dv.reshape(1, 1), row_scales)
-    return (out8.float() * dv.reshape(1, 1)).to(v_img.dtype)
+    return (out8.float() * dv.reshape(1, 1)).to(q_img.dtype)
 
 
 def split_output(out: torch.Tensor | Fp8AttentionOutput, image_tokens: int

@@ -188,10 +188,11 @@ def test_fused_norm_and_gelu_quantize_kernels_are_as_accurate_as_inductor(dit, i
     assert errors[True] < 1.05 * errors[False] + 1e-3
 
 
-def _spied_switch_runs(dit, inputs, zero_cond_t, monkeypatch, module, spied: str, switch: str, settings: tuple):
+def _spied_switch_runs(dit, inputs, zero_cond_t, monkeypatch, module, spied: str, switch: str, settings: tuple,
+                       switch_module=None):
     """The fastest preset's layers (row-wise, fast accumulation, cuBLASLt GEMMs), eager, cuDNN FP8 attention: for each
-    of ``settings`` of ``module.<switch>``, (batch-1 output, batch-2 output, calls of ``module.<spied>`` at batch 1,
-    at batch 2)."""
+    of ``settings`` of ``switch_module.<switch>`` (default ``module``), (batch-1 output, batch-2 output, calls of
+    ``module.<spied>`` at batch 1, at batch 2)."""
     x, prompts = inputs
     model = copy.deepcopy(dit)
     quantize_linears(model, Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute", fast_accum=True,
@@ -202,7 +203,7 @@ def _spied_switch_runs(dit, inputs, zero_cond_t, monkeypatch, module, spied: str
     two = {**x, **batch_prompts(prompts), "latents": x["latents"].expand(2, -1, -1, -1)}
     outs = {}
     for setting in settings:
-        monkeypatch.setattr(module, switch, setting)
+        monkeypatch.setattr(switch_module or module, switch, setting)
         with torch.no_grad():
             one = fast_model_fn(model, **x, **prompts[0], zero_cond_t=zero_cond_t, attention_backend="cudnn_fp8")
             counted = len(calls)
@@ -254,6 +255,29 @@ def test_fused_gelu_gemm_matches_the_two_kernel_path(dit, inputs, zero_cond_t, m
     assert outs[False][2:] == (0, 0)
     err_on, err_off = rel_err(outs[True][0], ref), rel_err(outs[False][0], ref)
     print(f"\nvs DiffSynth bf16: two kernels {err_off:.3e}, fused GELU GEMM {err_on:.3e}; on vs off "
+          f"{rel_err(outs[True][0], outs[False][0]):.3e}")
+    assert err_on < 1.05 * err_off + 1e-3
+    assert rel_err(outs[True][1][:1], outs[True][0]) < 1e-2
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
+def test_joint_v_gemm_matches_the_v_kernels(dit, inputs, zero_cond_t, monkeypatch):
+    """The fastest preset's layers, eager: the joint e4m3 v written by the image v GEMM with a bound scale
+    (``fp8_attention.JOINT_V_GEMM``) against cuBLASLt + the max and cast kernels. One call per block at batch 1
+    and 2, none when off; the error against DiffSynth bf16 stays where the kernels have it."""
+    _need("cudnn_fp8")
+    from qwen_edit_hopper.qwen_edit.fast import block as fast_block
+    from qwen_edit_hopper.qwen_edit.fast import fp8_attention
+
+    x, prompts = inputs
+    ref = _diffsynth(dit, x, prompts[0], zero_cond_t=zero_cond_t)
+    outs = _spied_switch_runs(dit, inputs, zero_cond_t, monkeypatch, fast_block, "joint_v_gemm", "JOINT_V_GEMM",
+                              (True, False), fp8_attention)
+    blocks = WIDE.num_layers
+    assert outs[True][2:] == (blocks, blocks)
+    assert outs[False][2:] == (0, 0)
+    err_on, err_off = rel_err(outs[True][0], ref), rel_err(outs[False][0], ref)
+    print(f"\nvs DiffSynth bf16: v kernels {err_off:.3e}, joint v GEMM {err_on:.3e}; on vs off "
           f"{rel_err(outs[True][0], outs[False][0]):.3e}")
     assert err_on < 1.05 * err_off + 1e-3
     assert rel_err(outs[True][1][:1], outs[True][0]) < 1e-2

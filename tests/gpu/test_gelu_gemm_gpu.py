@@ -1,4 +1,5 @@
-"""The fused GELU GEMM (``fp8/gelu_gemm.py``) and the LayerNorm kernel's row norms on a Hopper GPU.
+"""The fused GELU GEMM (``fp8/gelu_gemm.py``), the joint v GEMM (``fp8/v_gemm.py``) and the LayerNorm kernel's row
+norms on a Hopper GPU.
 
 Run on the device machine::
 
@@ -105,3 +106,33 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="fewer than"):
         gg.gelu_gemm_rowwise(x8, xs, xn, w8, ws, bias, cb)
     assert "fast accumulation" in gg.gelu_gemm_problem(x8, w8, False)
+
+
+@pytest.mark.parametrize(("batch", "s_img", "length"), [(1, 8192, 300), (2, 2048, 287), (2, 1024, 0)])
+def test_joint_v_gemm_matches_its_reference(batch, s_img, length):
+    """Image rows from the GEMM, text rows from the cast kernel, one bound scale; the text v is a strided view into a
+    fused Q/K/V output, as in the block."""
+    from qwen_edit_hopper.fp8 import v_gemm as vg
+
+    heads, head_dim, k = 24, 128, 3072
+    n = heads * head_dim
+    x8, xs, xn, w8, ws, bias, cb = _operands(batch * s_img, k, n, True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    t8, ts = quantize_rowwise(torch.randn(batch * max(length, 1), k, device="cuda", generator=g).bfloat16())
+    t8, ts = t8[:batch * length], ts[:batch * length]
+    tw8, tws = quantize_rowwise((torch.randn(3 * n, k, device="cuda", generator=g) * 0.02).bfloat16())
+    tb = (torch.randn(3 * n, device="cuda", generator=g) * 0.5).bfloat16()
+    fused = ((t8.float() * ts) @ (tw8.float() * tws).t()).bfloat16().reshape(batch, length, 3, heads, head_dim)
+    args = (x8, xs, xn, w8, ws, bias, cb, fused[:, :, 2], tb[2 * n:].reshape(heads, head_dim),
+            nq.quantized_row_norms(t8, ts), gg.column_bound(tw8, tws, tb))
+    got, want = vg.joint_v_gemm(*args), vg.reference_joint_v_gemm(*args)
+    assert got.v8.shape == want.v8.shape == (batch, s_img + length, heads, head_dim)
+    for name in ("descale", "scale_o", "image_rows", "text_rows"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name).expand_as(getattr(got, name)),
+                                   rtol=1e-6, atol=0)
+    same = (got.v8.view(torch.uint8) == want.v8.view(torch.uint8)).float().mean().item()
+    diff = _rel(got.v8.double(), want.v8.double())
+    print(f"\nbatch {batch}, {s_img} + {length} tokens: codes equal {same:.4f}, relative difference {diff:.2e}")
+    assert same > 0.95 and diff < 1e-2  # the image rows' accumulation order; the text rows are the same math
+    if length:  # the same math; a contracted multiply-add in the bound may move a rounding tie
+        assert (got.v8[:, s_img:].view(torch.uint8) == want.v8[:, s_img:].view(torch.uint8)).float().mean() > 0.999
