@@ -25,6 +25,8 @@ and power drift hit all variants alike. Variants:
   Q/K/V as one GEMM (``qkv.USE_FUSED``), then also shared-input modulation;
 * with ``--gelu-gemm`` instead: the image MLP's hidden state by cuBLASLt + ``fp8.gelu_quant`` or by the fused
   GELU GEMM (``fp8.gelu_gemm``, ``fast.mlp.FUSED_GELU_GEMM``);
+* with ``--v-gemm`` instead: the image stream's v by cuBLASLt and ``fp8.v_quant``'s max and cast kernels, or by
+  the joint v GEMM (``fp8.v_gemm``, ``fast.fp8_attention.JOINT_V_GEMM``);
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
   (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
   timed a cross-block residual update, since removed: docs/experiments/forward.md.)
@@ -95,6 +97,12 @@ RESIDUAL_VARIANTS = (  # small-M GEMMs and CUDA graphs; 9th field: qkv.USE_FUSED
     ("epilogue + image Q/K/V + shared-input modulation", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED,
      ("image", "text"), SHIPPED, ("attention", "mlp")),
 )
+V_GEMM_VARIANTS = (  # small-M GEMMs and CUDA graphs, shipped residual sites and GELU GEMM; 13th: JOINT_V_GEMM
+    ("v: cuBLASLt GEMM + max + cast kernels", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED,
+     SHIPPED, SHIPPED, False),
+    ("v: joint v GEMM (bound scale)", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED, SHIPPED,
+     SHIPPED, True),
+)
 GELU_GEMM_VARIANTS = (  # small-M GEMMs and CUDA graphs, shipped residual sites; 12th field: mlp.FUSED_GELU_GEMM
     ("hidden state: cuBLASLt + gelu_quant", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED,
      SHIPPED, False),
@@ -136,6 +144,8 @@ def main() -> int:
                              "shared-input modulation")  # fmt: skip
     parser.add_argument("--gelu-gemm", action="store_true",
                         help="instead: the image MLP's hidden state by cuBLASLt + gelu_quant or by the fused GELU GEMM")
+    parser.add_argument("--v-gemm", action="store_true",
+                        help="instead: v by cuBLASLt + the max and cast kernels, or by the joint v GEMM")
     parser.add_argument("--zero-cond-t", action="store_true",
                         help="every forward with Qwen-Image-Edit-2511's zero_cond_t (reference tokens at timestep 0)")
     parser.add_argument("--only", metavar="I,J", help="run only these variants (0-based indices of the mode's list)")
@@ -143,6 +153,7 @@ def main() -> int:
     variants = (NORM_VARIANTS if args.norm else SCALAR_VARIANTS if args.scalars else GEMM_VARIANTS if args.gemm
                 else QK_BOUND_VARIANTS if args.qk_bound else TEXT_VARIANTS if args.text
                 else RESIDUAL_VARIANTS if args.residual else GELU_GEMM_VARIANTS if args.gelu_gemm
+                else V_GEMM_VARIANTS if args.v_gemm
                 else VARIANTS + (MODULATION_VARIANTS if args.modulation else ()))  # fmt: skip
     if args.only:
         variants = tuple(variants[int(i)] for i in args.only.split(","))
@@ -157,7 +168,7 @@ def main() -> int:
     shipped_qk_bound = fp8_attention.QK_KERNEL_BOUND
     shipped_split_k = small_m_gemm.SPLIT_K
     shipped_sites, shipped_fused = residual_gemm.SITES, qkv.USE_FUSED
-    shipped_gelu_gemm = mlp.FUSED_GELU_GEMM
+    shipped_gelu_gemm, shipped_v_gemm = mlp.FUSED_GELU_GEMM, fp8_attention.JOINT_V_GEMM
     if args.split_k_config:
         small_m_gemm.SPLIT_K_CONFIGS[(12288, 3072)] = tuple(int(v) for v in args.split_k_config.split(","))
 
@@ -188,7 +199,9 @@ def main() -> int:
         split_k = shipped_split_k if len(extra) < 4 or extra[3] is SHIPPED else extra[3]
         sites = shipped_sites if len(extra) < 5 or extra[4] is SHIPPED else extra[4]
         gelu_gemm = shipped_gelu_gemm if len(extra) < 6 or extra[5] is SHIPPED else extra[5]
-        signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, use_fused, split_k, sites, gelu_gemm)
+        v_gemm = shipped_v_gemm if len(extra) < 7 or extra[6] is SHIPPED else extra[6]
+        signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, use_fused, split_k, sites, gelu_gemm,
+                     v_gemm)
 
         def call():
             if current[0] != signature:  # not in a graph's signature
@@ -198,6 +211,7 @@ def main() -> int:
                 qkv.USE_FUSED = use_fused
                 residual_gemm.SITES = sites
                 mlp.FUSED_GELU_GEMM = gelu_gemm
+                fp8_attention.JOINT_V_GEMM = v_gemm
                 small_m_gemm.SPLIT_K = split_k
                 for layer in layers:
                     layer.gemm_kernel = gemm
