@@ -49,10 +49,9 @@ CALLS = 12
 E4M3_MAX = 448.0
 # (BM, BN, BK, warps, stages, group_m, warp_specialize)
 CONFIGS = (
-    (128, 256, 128, 8, 3, 8, False),
     (128, 256, 128, 8, 3, 16, False),
-    (128, 256, 64, 8, 5, 8, False),
-    (256, 128, 128, 8, 3, 8, False),
+    (128, 256, 128, 8, 4, 16, False),
+    (128, 256, 128, 8, 4, 8, False),
 )
 
 

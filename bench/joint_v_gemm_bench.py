@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 CALLS = 12
-CONFIGS = ((128, 256, 128, 8, 3, 16), (128, 256, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8), (256, 128, 128, 8, 3, 8))
+CONFIGS = ((128, 256, 128, 8, 3, 16), (128, 256, 128, 8, 3, 8), (128, 256, 128, 8, 4, 16), (128, 256, 128, 8, 4, 8))
 
 
 def main() -> int:
