@@ -144,29 +144,35 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _scaled_tile(a_desc, b_desc, xs_ptr, ws_ptr, bias_ptr, tile_id, M, N, K, HAS_BIAS: tl.constexpr,  # noqa: N803
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):  # noqa: N803
+        """Output tile ``tile_id`` (grouped by GROUP_M row tiles) as float32 ``acc * x_scale * w_scale (+ bias)``:
+        returns (y (BM, BN), rows (BM,), rows < M, first row, first column, column-tile index)."""
+        pid_m, pid_n = _tile_ids(tile_id, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+        om = pid_m * BM
+        on = pid_n * BN
+        acc = _tile_acc(a_desc, b_desc, om, on, K, BM, BN, BK)
+        rows = om + tl.arange(0, BM)
+        cols = on + tl.arange(0, BN)
+        row_ok = rows < M
+        col_ok = cols < N
+        y = acc * tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None] \
+            * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        return y, rows, row_ok, om, on, pid_n
+
+    @triton.jit
     def _gelu_gemm_kernel(a_desc, b_desc, c_desc, xs_ptr, xn_ptr, ws_ptr, bias_ptr, cb_ptr, hs_ptr, M, N, K,  # noqa: N803
                           margin, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,  # noqa: N803
                           BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):  # noqa: N803
         """One persistent program per SM over (BM, BN) output tiles, grouped by GROUP_M row tiles."""
         start = tl.program_id(0)
-        num_pid_m = tl.cdiv(M, BM)
-        num_pid_n = tl.cdiv(N, BN)
         w_norm = tl.load(cb_ptr)
         b_max = tl.load(cb_ptr + 1)
-        for tile_id in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True):
-            pid_m, pid_n = _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            om = pid_m * BM
-            on = pid_n * BN
-            acc = _tile_acc(a_desc, b_desc, om, on, K, BM, BN, BK)
-            rows = om + tl.arange(0, BM)
-            cols = on + tl.arange(0, BN)
-            row_ok = rows < M
-            col_ok = cols < N
-            xs = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
-            ws = tl.load(ws_ptr + cols, mask=col_ok, other=0.0)
-            y = acc * xs[:, None] * ws[None, :]
-            if HAS_BIAS:
-                y = y + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        for tile_id in tl.range(start, tl.cdiv(M, BM) * tl.cdiv(N, BN), NUM_SMS, flatten=True):
+            y, rows, row_ok, om, on, pid_n = _scaled_tile(a_desc, b_desc, xs_ptr, ws_ptr, bias_ptr, tile_id, M, N, K,
+                                                          HAS_BIAS, BM, BN, BK, GROUP_M)
             th = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [0.851 * y], dtype=tl.float32,
                                            is_pure=True, pack=1)
             h = y * (0.5 + 0.5 * th)

@@ -54,7 +54,7 @@ if _TRITON_MISSING is None:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .gelu_gemm import _tile_acc, _tile_ids
+    from .gelu_gemm import _scaled_tile
 
 
 def v_scale_bound(norms_img: torch.Tensor, col_bound_img: torch.Tensor, norms_txt: torch.Tensor,
@@ -129,21 +129,9 @@ if _TRITON_MISSING is None:
         if start == 0:
             tl.store(scal_ptr, descale)
             tl.store(scal_ptr + 1, inv)
-        num_pid_m = tl.cdiv(M, BM)
-        num_pid_n = tl.cdiv(N, BN)
-        for tile_id in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True):
-            pid_m, pid_n = _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            om = pid_m * BM
-            on = pid_n * BN
-            acc = _tile_acc(a_desc, b_desc, om, on, K, BM, BN, BK)
-            rows = om + tl.arange(0, BM)
-            cols = on + tl.arange(0, BN)
-            row_ok = rows < M
-            col_ok = cols < N
-            y = acc * tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None] \
-                * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
-            if HAS_BIAS:
-                y = y + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        for tile_id in tl.range(start, tl.cdiv(M, BM) * tl.cdiv(N, BN), NUM_SMS, flatten=True):
+            y, rows, row_ok, om, on, pid_n = _scaled_tile(a_desc, b_desc, xs_ptr, ws_ptr, bias_ptr, tile_id, M, N, K,
+                                                          HAS_BIAS, BM, BN, BK, GROUP_M)
             code = tl.clamp(y * inv, -448.0, 448.0)
             c_desc.store([(om // s_img) * s_joint + om % s_img, on], code.to(tl.float8e4nv))
             tl.store(rows_ptr + rows, tl.zeros((BM,), tl.float32) + descale, mask=row_ok & (pid_n == 0))

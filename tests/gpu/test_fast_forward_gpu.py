@@ -237,6 +237,20 @@ def test_residual_updates_in_the_gemm_epilogue_match_the_unfused_path(dit, input
     assert rel_err(both[:1], one) < 1e-2
 
 
+def _assert_one_call_per_block_and_no_loss(outs: dict, ref: torch.Tensor, off: str, on: str) -> None:
+    """For :func:`_spied_switch_runs` over (True, False): the spied op ran once per block at batch 1 and at batch 2
+    when on and never when off; the batch-1 error against ``ref`` is the off path's; batch 2's first sample is
+    batch 1's output."""
+    blocks = WIDE.num_layers
+    assert outs[True][2:] == (blocks, blocks)
+    assert outs[False][2:] == (0, 0)
+    err_on, err_off = rel_err(outs[True][0], ref), rel_err(outs[False][0], ref)
+    print(f"\nvs DiffSynth bf16: {off} {err_off:.3e}, {on} {err_on:.3e}; on vs off "
+          f"{rel_err(outs[True][0], outs[False][0]):.3e}")
+    assert err_on < 1.05 * err_off + 1e-3
+    assert rel_err(outs[True][1][:1], outs[True][0]) < 1e-2
+
+
 @pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
 def test_fused_gelu_gemm_matches_the_two_kernel_path(dit, inputs, zero_cond_t, monkeypatch):
     """The fastest preset's layers, eager: the image MLP's up-projection + GELU + e4m3 cast in one GEMM
@@ -250,14 +264,7 @@ def test_fused_gelu_gemm_matches_the_two_kernel_path(dit, inputs, zero_cond_t, m
     ref = _diffsynth(dit, x, prompts[0], zero_cond_t=zero_cond_t)
     outs = _spied_switch_runs(dit, inputs, zero_cond_t, monkeypatch, fast_mlp, "gelu_gemm_rowwise", "FUSED_GELU_GEMM",
                               (True, False))
-    blocks = WIDE.num_layers
-    assert outs[True][2:] == (blocks, blocks)
-    assert outs[False][2:] == (0, 0)
-    err_on, err_off = rel_err(outs[True][0], ref), rel_err(outs[False][0], ref)
-    print(f"\nvs DiffSynth bf16: two kernels {err_off:.3e}, fused GELU GEMM {err_on:.3e}; on vs off "
-          f"{rel_err(outs[True][0], outs[False][0]):.3e}")
-    assert err_on < 1.05 * err_off + 1e-3
-    assert rel_err(outs[True][1][:1], outs[True][0]) < 1e-2
+    _assert_one_call_per_block_and_no_loss(outs, ref, "two kernels", "fused GELU GEMM")
 
 
 @pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
@@ -273,11 +280,4 @@ def test_joint_v_gemm_matches_the_v_kernels(dit, inputs, zero_cond_t, monkeypatc
     ref = _diffsynth(dit, x, prompts[0], zero_cond_t=zero_cond_t)
     outs = _spied_switch_runs(dit, inputs, zero_cond_t, monkeypatch, fast_block, "joint_v_gemm", "JOINT_V_GEMM",
                               (True, False), fp8_attention)
-    blocks = WIDE.num_layers
-    assert outs[True][2:] == (blocks, blocks)
-    assert outs[False][2:] == (0, 0)
-    err_on, err_off = rel_err(outs[True][0], ref), rel_err(outs[False][0], ref)
-    print(f"\nvs DiffSynth bf16: v kernels {err_off:.3e}, joint v GEMM {err_on:.3e}; on vs off "
-          f"{rel_err(outs[True][0], outs[False][0]):.3e}")
-    assert err_on < 1.05 * err_off + 1e-3
-    assert rel_err(outs[True][1][:1], outs[True][0]) < 1e-2
+    _assert_one_call_per_block_and_no_loss(outs, ref, "v kernels", "joint v GEMM")
