@@ -23,10 +23,7 @@ import argparse
 import datetime as dt
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -121,11 +118,8 @@ def launch(x8, xs, w8, ws, bias, normw, cos2, sin2, inv, out, s_img, s_joint, ep
         num_warps=warps, num_stages=stages)
 
 
-def _ptxas() -> str:
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
-
-
 def compile_only() -> None:
+    from fused_up_gemm_bench import ptxas_report
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -142,13 +136,9 @@ def compile_only() -> None:
         try:
             kern = triton.compile(ASTSource(fn=qkv_gemm_kernel, signature=sig, constexprs=const),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-            with tempfile.TemporaryDirectory() as tmp:
-                Path(tmp, "k.ptx").write_text(kern.asm["ptx"])
-                log = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", str(Path(tmp, "k.ptx")), "-o",
-                                      str(Path(tmp, "k.cubin"))], capture_output=True, text=True).stderr
-            regs = re.findall(r"Used (\d+) registers", log)
-            spills = re.findall(r"(\d+) bytes spill stores", log)
-            print(f"{cfg}: regs {regs} spills {spills} smem {kern.metadata.shared} serialized {'C7515' in log}")
+            report = ptxas_report(kern.asm["ptx"])
+            print(f"{cfg}: regs {report['regs']} spills {report['spills']} smem {kern.metadata.shared} "
+                  f"serialized {report['serialized']}")
         except Exception as exc:  # a survey: report and go on
             print(f"{cfg}: ERROR {type(exc).__name__}: {str(exc)[:600]}")
 

@@ -116,8 +116,16 @@ def row_inverse_scale(x8, xs, w8, ws, bias, margin: float = 1.02) -> torch.Tenso
     return E4M3_MAX / bound
 
 
-def _ptxas() -> str:
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
+def ptxas_report(ptx: str) -> dict:
+    """Assemble ``ptx`` for sm_90a with Triton's bundled ptxas: {"regs", "spills" (per function, as printed),
+    "serialized": ptxas warned that it serialized the wgmma ops (C7515)}. No GPU needed."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "k.ptx").write_text(ptx)
+        log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(tmp, "k.ptx")), "-o",
+                              str(Path(tmp, "k.cubin"))], capture_output=True, text=True).stderr
+    return {"regs": re.findall(r"Used (\d+) registers", log), "spills": re.findall(r"(\d+) bytes spill stores", log),
+            "serialized": "C7515" in log}
 
 
 def compile_only() -> None:
@@ -138,15 +146,11 @@ def compile_only() -> None:
                 kern = triton.compile(ASTSource(fn=up_gemm_kernel, signature=sig, constexprs=const), target=target,
                                       options={"num_warps": warps, "num_stages": stages})
                 ptx = kern.asm["ptx"]
-                with tempfile.TemporaryDirectory() as tmp:
-                    Path(tmp, "k.ptx").write_text(ptx)
-                    log = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", str(Path(tmp, "k.ptx")), "-o",
-                                          str(Path(tmp, "k.cubin"))], capture_output=True, text=True).stderr
-                regs = re.findall(r"Used (\d+) registers", log)
-                spills = re.findall(r"(\d+) bytes spill stores", log)
+                report = ptxas_report(ptx)
                 n_wgmma = len(re.findall(r"wgmma.mma_async", ptx))
-                print(f"{cfg} fused={fused}: regs {regs} spills {spills} smem {kern.metadata.shared} "
-                      f"wgmma(ptx) {n_wgmma} setmaxnreg {'setmaxnreg' in ptx} serialized {'C7515' in log}")
+                print(f"{cfg} fused={fused}: regs {report['regs']} spills {report['spills']} smem "
+                      f"{kern.metadata.shared} wgmma(ptx) {n_wgmma} setmaxnreg {'setmaxnreg' in ptx} "
+                      f"serialized {report['serialized']}")
             except Exception as exc:  # a survey: report and go on
                 print(f"{cfg} fused={fused}: ERROR {type(exc).__name__}: {str(exc)[:400]}")
 
