@@ -7,7 +7,11 @@ Dh with its stream's weight, then the rotary embedding on channel pairs (2i, 2i+
 joint (B, S_img + S_txt, H, Dh) sequence as e4m3 with one per-tensor scale (448 / ``bound``). Inductor
 does this in three kernels (statistics, the pointwise rest, the text stream) at about 1.5 TB/s: on an
 H200 about 13 ms of a 208 ms forward for q and k together (docs/benchmarks.md). This kernel reads each
-element once and writes one byte: one program per (token, group of heads), the row in registers.
+element once and writes one byte: one program per token, its heads in chunks of up to 8 (the chunks' loads
+are independent), every reduction inside a warp. An earlier layout, one program per (token, 8 heads), took
+40.7 us per call at the DiT's shape on an H200 against 28.3 us for this one, with identical codes
+(bench/qk_rows_bench.py, docs/benchmarks.md, fifteenth session): its bound reduction and cos / sin broadcast
+went through shared memory with barriers, for each 1024 elements.
 
 Numerics: those of ``qwen_edit.fast.block.qk_norm_rope`` (compiled path) followed by
 ``fp8.attention.cudnn_fp8.quantize_with_bound``: RMS in float32, normalized value rounded to bf16, times
@@ -101,54 +105,80 @@ if triton is not None:
     _INV_E4M3_MAX = tl.constexpr(float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)))
 
     @triton.jit
-    def _qk_norm_rope_quant_kernel(img_ptr, txt_ptr, w_img_ptr, w_txt_ptr, b_img_ptr, b_txt_ptr, cos_ptr, sin_ptr,
-                                   bound_ptr, out_ptr, descale_ptr, s_img, s_joint, heads, sib, sis, sih, stb, sts,
-                                   sth, eps_img, eps_txt, HAS_BIAS: tl.constexpr, HG: tl.constexpr,  # noqa: N803
-                                   HEAD_DIM: tl.constexpr, BOUND_FROM_WEIGHTS: tl.constexpr,  # noqa: N803
-                                   BOUND_FACTOR: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
-        row = tl.program_id(0).to(tl.int64)
-        group = tl.program_id(1)
-        b = row // s_joint
-        t = row % s_joint
-        hs = group * HG + tl.arange(0, HG)
-        dims = tl.arange(0, HEAD_DIM)
-        tile = hs[:, None] * HEAD_DIM + dims[None, :]
-        if t < s_img:
-            ptrs = img_ptr + b * sib + t * sis + hs[:, None] * sih + dims[None, :]
-            w_ptrs = w_img_ptr + dims
-            b_ptrs = b_img_ptr + tile
-            eps = eps_img
-        else:
-            ptrs = txt_ptr + b * stb + (t - s_img) * sts + hs[:, None] * sth + dims[None, :]
-            w_ptrs = w_txt_ptr + dims
-            b_ptrs = b_txt_ptr + tile
-            eps = eps_txt
-        x = tl.load(ptrs)
+    def _head_chunk(src, sh, bias_ptr, w_row, cosx, sinx, eps, inv, h0, zero3, hs, dims,
+                    HAS_BIAS: tl.constexpr, HG: tl.constexpr, HEAD_DIM: tl.constexpr):  # noqa: N803
+        """One token's heads h0 .. h0 + HG as a (1, HG, HEAD_DIM) tile: bias, RMSNorm, weight, RoPE (bf16 roundings
+        between the steps, as the block's eager math), scaled by ``inv`` and clamped to +-448, in float32."""
+        x = tl.load(src + (h0 + hs) * sh + dims)
         if HAS_BIAS:  # the projection's bias, added in bf16 as the linear layer adds it
-            x = (x.to(tl.float32) + tl.load(b_ptrs).to(tl.float32)).to(tl.bfloat16)
+            x = (x.to(tl.float32) + tl.load(bias_ptr + (h0 + hs) * HEAD_DIM + dims + zero3).to(tl.float32))
+            x = x.to(tl.bfloat16)
         x = x.to(tl.float32)
-        rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
-        y = (x * rms[:, None]).to(tl.bfloat16).to(tl.float32)
-        y = (y * tl.load(w_ptrs).to(tl.float32)[None, :]).to(tl.bfloat16).to(tl.float32)
-        re, im = tl.split(tl.reshape(y, (HG, HEAD_DIM // 2, 2)))
-        half = tl.arange(0, HEAD_DIM // 2)
-        c = tl.load(cos_ptr + t * (HEAD_DIM // 2) + half)[None, :]
-        s = tl.load(sin_ptr + t * (HEAD_DIM // 2) + half)[None, :]
-        o_re = (re * c - im * s).to(tl.bfloat16).to(tl.float32)
-        o_im = (re * s + im * c).to(tl.bfloat16).to(tl.float32)
-        o = tl.reshape(tl.join(o_re, o_im), (HG, HEAD_DIM))
-        if BOUND_FROM_WEIGHTS:  # rms_norm_bound of both streams' weights: 2 x Dh loads, from L1 / L2
-            w_max = tl.maximum(tl.max(tl.abs(tl.load(w_img_ptr + dims).to(tl.float32)), axis=0),
-                               tl.max(tl.abs(tl.load(w_txt_ptr + dims).to(tl.float32)), axis=0))
+        rms = tl.rsqrt(tl.sum(x * x, axis=2) / HEAD_DIM + eps)
+        y = (x * rms[:, :, None]).to(tl.bfloat16).to(tl.float32)
+        y = (y * w_row).to(tl.bfloat16).to(tl.float32)
+        re, im = tl.split(tl.reshape(y, (1, HG, HEAD_DIM // 2, 2)))
+        swapped = tl.reshape(tl.join(-im, re), (1, HG, HEAD_DIM))  # (-x1, x0) per pair: the rotation's other term
+        o = (y * cosx + swapped * sinx).to(tl.bfloat16).to(tl.float32)
+        return tl.clamp(o * inv, -_E4M3_MAX, _E4M3_MAX)
+
+    @triton.jit
+    def _qk_norm_rope_quant_kernel(img_ptr, txt_ptr, w_img_ptr, w_txt_ptr, b_img_ptr, b_txt_ptr, cos_ptr, sin_ptr,
+                                   bound_ptr, out_ptr, descale_ptr, s_img, s_txt, s_joint, n_img_tokens, sib, sis,
+                                   sih, stb, sts, sth, eps_img, eps_txt, HEADS: tl.constexpr,  # noqa: N803
+                                   HAS_BIAS: tl.constexpr, HG: tl.constexpr, HEAD_DIM: tl.constexpr,  # noqa: N803
+                                   BOUND_FROM_WEIGHTS: tl.constexpr, BOUND_FACTOR: tl.constexpr,  # noqa: N803
+                                   INTERPRET: tl.constexpr):  # noqa: N803
+        """One program per token: programs [0, n_img_tokens) take the image stream's B * s_img tokens, the rest
+        the text stream's. All HEADS heads, in chunks of HG whose loads are independent. Every tensor is laid out
+        as the (1, HG, HEAD_DIM) data tile, so that no reduction or broadcast leaves a warp: the bound is taken
+        per head row from weight tiles, and each pair's cos / sin is duplicated in registers."""
+        pid = tl.program_id(0)
+        hs = tl.arange(0, HG)[None, :, None]
+        dims = tl.arange(0, HEAD_DIM)[None, None, :]
+        zero3 = hs * 0 + dims * 0
+        if pid < n_img_tokens:
+            row = pid.to(tl.int64)
+            b = row // s_img
+            t = row % s_img
+            src = img_ptr + b * sib + t * sis
+            sh = sih
+            bias_ptr = b_img_ptr
+            w_ptr = w_img_ptr
+            eps = eps_img
+            jt = t
+        else:
+            row = (pid - n_img_tokens).to(tl.int64)
+            b = row // s_txt
+            t = row % s_txt
+            src = txt_ptr + b * stb + t * sts
+            sh = sth
+            bias_ptr = b_txt_ptr
+            w_ptr = w_txt_ptr
+            eps = eps_txt
+            jt = s_img + t
+        wd = zero3 + dims
+        w_row = tl.load(w_ptr + wd).to(tl.float32)
+        if BOUND_FROM_WEIGHTS:  # rms_norm_bound of both streams' weights, per head row (all rows equal)
+            w_max = tl.maximum(tl.max(tl.abs(tl.load(w_img_ptr + wd).to(tl.float32)), axis=2),
+                               tl.max(tl.abs(tl.load(w_txt_ptr + wd).to(tl.float32)), axis=2))
             bound = (w_max * BOUND_FACTOR).to(tl.float32)
         else:
-            bound = tl.load(bound_ptr).to(tl.float32)
-        inv = _E4M3_MAX / bound
-        q = tl.clamp(o * inv, -_E4M3_MAX, _E4M3_MAX)
-        out = out_ptr + row * heads * HEAD_DIM + hs[:, None] * HEAD_DIM + dims[None, :]
-        tl.store(out, _to_e4m3(q, INTERPRET))
-        if (row == 0) & (group == 0):  # the descale, as torch's CUDA division by a scalar: times fp32(1 / 448)
-            tl.store(descale_ptr, (bound * _INV_E4M3_MAX).to(tl.float32))
+            bound = tl.max(tl.load(bound_ptr + zero3).to(tl.float32), axis=2)  # one value, in the tile's layout
+        inv = _E4M3_MAX / bound[:, :, None]
+        half = tl.arange(0, HEAD_DIM // 2)[None, :]
+        c = tl.load(cos_ptr + jt * (HEAD_DIM // 2) + half)
+        s = tl.load(sin_ptr + jt * (HEAD_DIM // 2) + half)
+        cosx = tl.reshape(tl.join(c, c), (1, HEAD_DIM))[:, None, :] + zero3
+        sinx = tl.reshape(tl.join(s, s), (1, HEAD_DIM))[:, None, :] + zero3
+        dst = out_ptr + (b * s_joint + jt) * (HEADS * HEAD_DIM) + hs * HEAD_DIM + dims
+        for chunk in tl.static_range(HEADS // HG):
+            q = _head_chunk(src, sh, bias_ptr, w_row, cosx, sinx, eps, inv, chunk * HG, zero3, hs, dims, HAS_BIAS,
+                            HG, HEAD_DIM)
+            tl.store(dst + chunk * HG * HEAD_DIM, _to_e4m3(q, INTERPRET))
+        if pid == 0:  # the descale, as torch's CUDA division by a scalar: times fp32(1 / 448)
+            tl.store(descale_ptr + zero3, (bound * _INV_E4M3_MAX)[:, :, None] + zero3.to(tl.float32),
+                     mask=(zero3 + hs + dims) == 0)
 
     @triton_op(OP_NAME, mutates_args={})
     def _qk_norm_rope_quantize_op(x_img: torch.Tensor, x_txt: torch.Tensor, w_img: torch.Tensor,
@@ -156,18 +186,18 @@ if triton is not None:
                                   eps_img: float, eps_txt: float, cos: torch.Tensor, sin: torch.Tensor,
                                   bound: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         b, si, h, d = x_img.shape
-        sj = si + x_txt.shape[1]
-        out = torch.empty((b, sj, h, d), dtype=FP8_DTYPE, device=x_img.device)
+        st = x_txt.shape[1]
+        out = torch.empty((b, si + st, h, d), dtype=FP8_DTYPE, device=x_img.device)
         descale = torch.empty((1,), dtype=torch.float32, device=x_img.device)
-        group = _head_group(h)
         has_bias = b_img is not None
         from_weights = bound is None
-        wrap_triton(_qk_norm_rope_quant_kernel)[(b * sj, h // group)](
+        wrap_triton(_qk_norm_rope_quant_kernel)[(b * (si + st),)](
             x_img, x_txt, w_img, w_txt, b_img if has_bias else w_img, b_txt if has_bias else w_txt, cos, sin,
-            w_img if from_weights else bound, out, descale, si, sj, h, x_img.stride(0), x_img.stride(1),
-            x_img.stride(2), x_txt.stride(0), x_txt.stride(1), x_txt.stride(2), eps_img, eps_txt,
-            HAS_BIAS=has_bias, HG=group, HEAD_DIM=d, BOUND_FROM_WEIGHTS=from_weights,
-            BOUND_FACTOR=_bound_factor(d), INTERPRET=interpreter_active(), num_warps=4,
+            w_img if from_weights else bound, out, descale, si, st, si + st, b * si,
+            x_img.stride(0), x_img.stride(1), x_img.stride(2), x_txt.stride(0), x_txt.stride(1), x_txt.stride(2),
+            eps_img, eps_txt, HEADS=h, HAS_BIAS=has_bias, HG=_head_group(h), HEAD_DIM=d,
+            BOUND_FROM_WEIGHTS=from_weights, BOUND_FACTOR=_bound_factor(d), INTERPRET=interpreter_active(),
+            num_warps=4,
         )  # fmt: skip
         return out, descale
 
