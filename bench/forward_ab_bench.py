@@ -27,6 +27,9 @@ and power drift hit all variants alike. Variants:
   GELU GEMM (``fp8.gelu_gemm``, ``fast.mlp.FUSED_GELU_GEMM``);
 * with ``--v-gemm`` instead: the image stream's v by cuBLASLt and ``fp8.v_quant``'s max and cast kernels, or by
   the joint v GEMM (``fp8.v_gemm``, ``fast.fp8_attention.JOINT_V_GEMM``);
+* with ``--qk-kernel`` instead: the QK RMSNorm + RoPE + e4m3 kernel as the fourteenth session ran it (one program
+  per token x 8 heads, ``bench/qk_rows_bench.py``'s ``v14_op`` put in the shipped op's place) or as shipped (one
+  program per token);
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
   (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
   timed a cross-block residual update, since removed: docs/experiments/forward.md.)
@@ -109,6 +112,12 @@ GELU_GEMM_VARIANTS = (  # small-M GEMMs and CUDA graphs, shipped residual sites;
     ("hidden state: fused GELU GEMM", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED, SHIPPED,
      True),
 )
+QK_KERNEL_VARIANTS = (  # small-M GEMMs and CUDA graphs, all else shipped; 14th field: the QK op
+    ("QK kernel: 1 token x 8 heads per program", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED,
+     SHIPPED, SHIPPED, SHIPPED, "session 14"),
+    ("QK kernel: 1 token per program", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED, SHIPPED,
+     SHIPPED, SHIPPED, SHIPPED),
+)
 GEMM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 7th field: ScaledMMLinear.gemm_kernel
     ("torch._scaled_mm GEMMs", False, True, True, SHIPPED, SHIPPED, "torch"),
     ("workspace-free cuBLASLt GEMMs", False, True, True, SHIPPED, SHIPPED, "cublaslt"),
@@ -146,6 +155,8 @@ def main() -> int:
                         help="instead: the image MLP's hidden state by cuBLASLt + gelu_quant or by the fused GELU GEMM")
     parser.add_argument("--v-gemm", action="store_true",
                         help="instead: v by cuBLASLt + the max and cast kernels, or by the joint v GEMM")
+    parser.add_argument("--qk-kernel", action="store_true",
+                        help="instead: the fourteenth session's QK kernel against the shipped one")
     parser.add_argument("--zero-cond-t", action="store_true",
                         help="every forward with Qwen-Image-Edit-2511's zero_cond_t (reference tokens at timestep 0)")
     parser.add_argument("--only", metavar="I,J", help="run only these variants (0-based indices of the mode's list)")
@@ -153,12 +164,12 @@ def main() -> int:
     variants = (NORM_VARIANTS if args.norm else SCALAR_VARIANTS if args.scalars else GEMM_VARIANTS if args.gemm
                 else QK_BOUND_VARIANTS if args.qk_bound else TEXT_VARIANTS if args.text
                 else RESIDUAL_VARIANTS if args.residual else GELU_GEMM_VARIANTS if args.gelu_gemm
-                else V_GEMM_VARIANTS if args.v_gemm
+                else V_GEMM_VARIANTS if args.v_gemm else QK_KERNEL_VARIANTS if args.qk_kernel
                 else VARIANTS + (MODULATION_VARIANTS if args.modulation else ()))  # fmt: skip
     if args.only:
         variants = tuple(variants[int(i)] for i in args.only.split(","))
     load_pack()
-    from qwen_edit_hopper.fp8 import norm_quant, small_m_gemm
+    from qwen_edit_hopper.fp8 import norm_quant, qk_norm_quant, small_m_gemm
     from qwen_edit_hopper.fp8.linear import ScaledMMLinear
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
@@ -169,6 +180,11 @@ def main() -> int:
     shipped_split_k = small_m_gemm.SPLIT_K
     shipped_sites, shipped_fused = residual_gemm.SITES, qkv.USE_FUSED
     shipped_gelu_gemm, shipped_v_gemm = mlp.FUSED_GELU_GEMM, fp8_attention.JOINT_V_GEMM
+    qk_ops = {SHIPPED: qk_norm_quant._qk_norm_rope_quantize_op}
+    if args.qk_kernel:
+        import qk_rows_bench
+
+        qk_ops["session 14"] = qk_rows_bench.v14_op
     if args.split_k_config:
         small_m_gemm.SPLIT_K_CONFIGS[(12288, 3072)] = tuple(int(v) for v in args.split_k_config.split(","))
 
@@ -200,8 +216,9 @@ def main() -> int:
         sites = shipped_sites if len(extra) < 5 or extra[4] is SHIPPED else extra[4]
         gelu_gemm = shipped_gelu_gemm if len(extra) < 6 or extra[5] is SHIPPED else extra[5]
         v_gemm = shipped_v_gemm if len(extra) < 7 or extra[6] is SHIPPED else extra[6]
+        qk_op = qk_ops[SHIPPED if len(extra) < 8 else extra[7]]
         signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, use_fused, split_k, sites, gelu_gemm,
-                     v_gemm)
+                     v_gemm, qk_op)
 
         def call():
             if current[0] != signature:  # not in a graph's signature
@@ -212,6 +229,7 @@ def main() -> int:
                 residual_gemm.SITES = sites
                 mlp.FUSED_GELU_GEMM = gelu_gemm
                 fp8_attention.JOINT_V_GEMM = v_gemm
+                qk_norm_quant._qk_norm_rope_quantize_op = qk_op  # read by _checked_call (Dynamo guards on it)
                 small_m_gemm.SPLIT_K = split_k
                 for layer in layers:
                     layer.gemm_kernel = gemm
