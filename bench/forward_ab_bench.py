@@ -30,6 +30,10 @@ and power drift hit all variants alike. Variants:
 * with ``--qk-kernel`` instead: the QK RMSNorm + RoPE + e4m3 kernel as the fourteenth session ran it (one program
   per token x 8 heads, ``bench/qk_rows_bench.py``'s ``v14_op`` put in the shipped op's place) or as shipped (one
   program per token);
+* with ``--text-out`` instead: the text stream's output projection (M = 300, 3072 -> 3072, right after the
+  attention kernel in the compiled block) through the small-M Triton GEMM or through cuBLASLt;
+* with ``--norm-warps`` instead: the LayerNorm + modulate + quantize kernels at 4, 1 and 2 warps per row (one warp:
+  every reduction in shuffles, no shared memory or barriers);
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
   (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
   timed a cross-block residual update, since removed: docs/experiments/forward.md.)
@@ -118,6 +122,16 @@ QK_KERNEL_VARIANTS = (  # small-M GEMMs and CUDA graphs, all else shipped; 14th 
     ("QK kernel: 1 token per program", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED, SHIPPED,
      SHIPPED, SHIPPED, SHIPPED),
 )
+TEXT_OUT_VARIANTS = (  # small-M GEMMs and CUDA graphs, all else shipped; 15th field: the text output projection's
+    # (3072 -> 3072 at M = 300) small-M config kept (True) or dropped for cuBLASLt (False)
+    ("text output projection: small-M Triton GEMM", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True,
+     SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True),
+    ("text output projection: cuBLASLt", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED,
+     SHIPPED, SHIPPED, SHIPPED, SHIPPED, False),
+)
+NORM_WARPS_VARIANTS = tuple(  # small-M GEMMs and CUDA graphs, all else shipped; 16th field: norm_quant.DEFAULT_WARPS
+    (f"LayerNorm kernels: {w} warps per row", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED,
+     SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, w) for w in (4, 1, 2))
 GEMM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 7th field: ScaledMMLinear.gemm_kernel
     ("torch._scaled_mm GEMMs", False, True, True, SHIPPED, SHIPPED, "torch"),
     ("workspace-free cuBLASLt GEMMs", False, True, True, SHIPPED, SHIPPED, "cublaslt"),
@@ -157,6 +171,10 @@ def main() -> int:
                         help="instead: v by cuBLASLt + the max and cast kernels, or by the joint v GEMM")
     parser.add_argument("--qk-kernel", action="store_true",
                         help="instead: the fourteenth session's QK kernel against the shipped one")
+    parser.add_argument("--text-out", action="store_true",
+                        help="instead: the text output projection through the small-M GEMM or cuBLASLt")
+    parser.add_argument("--norm-warps", action="store_true",
+                        help="instead: the LayerNorm kernels at 4, 1 and 2 warps per row")
     parser.add_argument("--zero-cond-t", action="store_true",
                         help="every forward with Qwen-Image-Edit-2511's zero_cond_t (reference tokens at timestep 0)")
     parser.add_argument("--only", metavar="I,J", help="run only these variants (0-based indices of the mode's list)")
@@ -165,6 +183,7 @@ def main() -> int:
                 else QK_BOUND_VARIANTS if args.qk_bound else TEXT_VARIANTS if args.text
                 else RESIDUAL_VARIANTS if args.residual else GELU_GEMM_VARIANTS if args.gelu_gemm
                 else V_GEMM_VARIANTS if args.v_gemm else QK_KERNEL_VARIANTS if args.qk_kernel
+                else TEXT_OUT_VARIANTS if args.text_out else NORM_WARPS_VARIANTS if args.norm_warps
                 else VARIANTS + (MODULATION_VARIANTS if args.modulation else ()))  # fmt: skip
     if args.only:
         variants = tuple(variants[int(i)] for i in args.only.split(","))
@@ -176,11 +195,13 @@ def main() -> int:
     from qwen_edit_hopper.qwen_edit.fast import fp8_attention, graphs, mlp, modulation, qkv, residual_gemm
 
     shipped_rows, shipped_scalars = norm_quant.DEFAULT_ROWS, fp8_attention.V_KERNEL_SCALARS
+    shipped_norm_warps = norm_quant.DEFAULT_WARPS
     shipped_qk_bound = fp8_attention.QK_KERNEL_BOUND
     shipped_split_k = small_m_gemm.SPLIT_K
     shipped_sites, shipped_fused = residual_gemm.SITES, qkv.USE_FUSED
     shipped_gelu_gemm, shipped_v_gemm = mlp.FUSED_GELU_GEMM, fp8_attention.JOINT_V_GEMM
     qk_ops = {SHIPPED: qk_norm_quant._qk_norm_rope_quantize_op}
+    text_out_config = small_m_gemm.OUTPUT_PROJECTION_CONFIG
     if args.qk_kernel:
         import qk_rows_bench
 
@@ -217,8 +238,10 @@ def main() -> int:
         gelu_gemm = shipped_gelu_gemm if len(extra) < 6 or extra[5] is SHIPPED else extra[5]
         v_gemm = shipped_v_gemm if len(extra) < 7 or extra[6] is SHIPPED else extra[6]
         qk_op = qk_ops[SHIPPED if len(extra) < 8 else extra[7]]
+        text_out_small_m = len(extra) < 9 or extra[8] is SHIPPED or extra[8]
+        norm_warps = shipped_norm_warps if len(extra) < 10 or extra[9] is SHIPPED else extra[9]
         signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, use_fused, split_k, sites, gelu_gemm,
-                     v_gemm, qk_op)
+                     v_gemm, qk_op, text_out_small_m, norm_warps)
 
         def call():
             if current[0] != signature:  # not in a graph's signature
@@ -230,12 +253,17 @@ def main() -> int:
                 mlp.FUSED_GELU_GEMM = gelu_gemm
                 fp8_attention.JOINT_V_GEMM = v_gemm
                 qk_norm_quant._qk_norm_rope_quantize_op = qk_op  # read by _checked_call (Dynamo guards on it)
+                if text_out_small_m:
+                    small_m_gemm.CONFIGS[(3072, 3072)] = text_out_config
+                else:
+                    small_m_gemm.CONFIGS.pop((3072, 3072), None)
                 small_m_gemm.SPLIT_K = split_k
                 for layer in layers:
                     layer.gemm_kernel = gemm
             modulation.FUSED_MODULATION = fused
             small_m_gemm.ENABLED = small_m
             norm_quant.DEFAULT_ROWS = shipped_rows if rows is SHIPPED else rows
+            norm_quant.DEFAULT_WARPS = norm_warps
             fp8_attention.V_KERNEL_SCALARS = shipped_scalars if scalars is SHIPPED else scalars
             if graphed:
                 graphs.enable_cuda_graphs(module)

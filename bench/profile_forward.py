@@ -95,7 +95,8 @@ def main() -> int:
                              "fused QK norm + RoPE + quantize kernel), -inductor-v (no fused v quantize kernels), "
                              "-unsplit (GELU / LayerNorm kernels without the three-chunk rows), -permod (modulation "
                              "linears called per block, not in two shared-input launches), -graphs (the pack's "
-                             "whole-forward CUDA graphs, fast.graphs)")  # fmt: skip
+                             "whole-forward CUDA graphs, fast.graphs), -small-m-text-out (the text stream's output "
+                             "projection through the small-M Triton GEMM, not cuBLASLt)")  # fmt: skip
     parser.add_argument("--timeline", action="store_true",
                         help="also each variant's device timeline under the profiler: idle time between kernels, "
                              "tiny kernels, one block's kernel sequence")  # fmt: skip
@@ -135,7 +136,7 @@ def main() -> int:
             ("fastest preset, Inductor quantization (again: clock drift over the run)", fast_accum, False, False,
              "sdpa"),
         ]
-    from qwen_edit_hopper.fp8 import gelu_quant
+    from qwen_edit_hopper.fp8 import gelu_quant, small_m_gemm
     from qwen_edit_hopper.qwen_edit.fast import fp8_attention, graphs, modulation, prequant
     from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
 
@@ -145,10 +146,15 @@ def main() -> int:
             fast_mlp.FUSED_GELU_QUANT, prequant.FUSED_NORM_QUANT = fused_gelu, fused_norm
             # suffixes: "-inductor-qk" (QK norm + RoPE + e4m3 cast left to Inductor), "-inductor-v" (v's bias +
             # concatenation + max + cast left to Inductor), "-unsplit" (GELU / LayerNorm kernels: one masked block
-            # per row instead of three chunks)
+            # per row instead of three chunks), "-small-m-text-out" (the text stream's output projection through
+            # the small-M Triton GEMM instead of cuBLASLt)
             fp8_attention.FUSED_QK_QUANT = "-inductor-qk" not in backend
             fp8_attention.FUSED_V_QUANT = "-inductor-v" not in backend
             gelu_quant.SPLIT_ROWS = "-unsplit" not in backend
+            if "-small-m-text-out" in backend:
+                small_m_gemm.CONFIGS[(3072, 3072)] = small_m_gemm.OUTPUT_PROJECTION_CONFIG
+            else:
+                small_m_gemm.CONFIGS.pop((3072, 3072), None)
             modulation.FUSED_MODULATION = "-permod" not in backend
             with_graphs = "-graphs" in backend
             backend = backend.split("-")[0]

@@ -10,7 +10,7 @@ weight tile run together, took 26.5 us (bench/text_gemm_bench.py, weights stream
 shape (K -> N), M=300  cuBLASLt (us)       this kernel (us)       config
 =====================  ==================  =====================  ================
 3072 -> 9216 (QKV)     21.7                18.1                   64 x 128, 4 warps, 3 stages
-3072 -> 3072 (out)     11.4                9.8                    64 x 128, 4 warps, 4 stages
+3072 -> 3072 (out)     11.4                9.8 (not used)         64 x 128, 4 warps, 4 stages
 3072 -> 12288 (MLP up) 45.1                26.5                   64 x 256, 4 warps, 4 stages
 12288 -> 3072 (down)   32.5                31.8 (not used)        -
 =====================  ==================  =====================  ================
@@ -19,8 +19,9 @@ The down-projection's K split (:data:`SPLIT_K_CONFIGS`, twelfth session, bench/t
 32.3 us against cuBLASLt's 32.5 (more exact: 2.4e-3 against 3.1e-3 from the exact product); it stays off.
 
 At M = 600 (true CFG batched) cuBLASLt was as fast or faster for every shape, so :func:`small_m_config`
-answers only for 16 < M <= :data:`MAX_ROWS` and the three shapes above; everything else keeps
-``torch._scaled_mm``.
+answers only for 16 < M <= :data:`MAX_ROWS` and the QKV and MLP up-projection shapes; everything else keeps
+``torch._scaled_mm``. The output projection's config is kept as :data:`OUTPUT_PROJECTION_CONFIG` but not used: in
+the forward it runs right after the attention kernel, where this kernel measured slower than cuBLASLt.
 
 Numerics: e4m3 x e4m3 products accumulated in float32 by Hopper's wgmma with Triton's sm_90 default
 (no periodic promotion: the same "fast accumulation" as ``use_fast_accum=True``, so only layers built
@@ -42,8 +43,8 @@ import torch
 
 from .quant import FP8_DTYPE
 
-__all__ = ["CONFIGS", "ENABLED", "MAX_ROWS", "MIN_ROWS", "OP_NAME", "SPLIT_K", "SPLIT_K_CONFIGS", "config_for_shape",
-           "fp8_gemm_small_m", "small_m_config"]
+__all__ = ["CONFIGS", "ENABLED", "MAX_ROWS", "MIN_ROWS", "OP_NAME", "OUTPUT_PROJECTION_CONFIG", "SPLIT_K",
+           "SPLIT_K_CONFIGS", "config_for_shape", "fp8_gemm_small_m", "small_m_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,16 @@ MIN_ROWS = 17
 
 CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
     (3072, 9216): (64, 128, 128, 4, 3),
-    (3072, 3072): (64, 128, 128, 4, 4),
     (3072, 12288): (64, 256, 128, 4, 4),
 }
 """(K, N) -> (BM, BN, BK, warps, stages): the fastest of 72 tile configurations per shape at M = 300 on an
 H200 (bench/text_gemm_bench.py, docs/benchmarks.md, eighth session)."""
+
+OUTPUT_PROJECTION_CONFIG = (64, 128, 128, 4, 4)
+"""The fastest config for the text stream's output projection (3072 -> 3072 at M = 300) alone, 9.8 us against
+cuBLASLt's 11.4; not in :data:`CONFIGS`. In the compiled block that projection runs right after the attention kernel,
+and there this kernel took 41 us against cuBLASLt's 15 (H200 timelines; forward A/B 179.36 -> 178.61 ms with
+cuBLASLt; docs/benchmarks.md, fifteenth session). Why only this kernel slows down there is not established."""
 
 SPLIT_K_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
     (12288, 3072): (64, 128, 128, 4, 4, 2),
