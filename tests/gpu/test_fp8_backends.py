@@ -419,7 +419,10 @@ def test_split_k_down_projection_is_closer_to_the_exact_product():
 @pytest.mark.parametrize("tokens", [300, 600])
 def test_fused_text_qkv_gemm_matches_the_three(tokens):
     """One 3072 -> 9216 row-wise GEMM (``fast.qkv.fuse_fp8_qkv``) against the three 3072 -> 3072 ones it replaces:
-    at M = 300 both run the small-M kernel with the same tiles (identical bits), at M = 600 cuBLASLt."""
+    at M = 300 the fused layer runs the small-M kernel, and each third equals, bit for bit, that kernel on the
+    part's weight with the same tiles (``OUTPUT_PROJECTION_CONFIG``; the 3072 -> 3072 layers themselves take
+    cuBLASLt since the fifteenth session); at M = 600 both run cuBLASLt."""
+    from qwen_edit_hopper.fp8 import small_m_gemm
     from qwen_edit_hopper.qwen_edit.fast.block import _qkv_layers
     from qwen_edit_hopper.qwen_edit.fast.qkv import fuse_fp8_qkv
 
@@ -451,9 +454,13 @@ def test_fused_text_qkv_gemm_matches_the_three(tokens):
     x8, xs = fused.quantize_input(x)
     got = fused.gemm(x8, xs, torch.bfloat16).split(3072, dim=1)
     for part, name in zip(got, ("add_q_proj", "add_k_proj", "add_v_proj"), strict=True):
-        want = getattr(attn, name).gemm(x8, xs, torch.bfloat16)
+        layer = getattr(attn, name)
+        want = layer.gemm(x8, xs, torch.bfloat16)
         if tokens == 300 and torch.cuda.get_device_capability(dev) == (9, 0):
-            assert torch.equal(part, want), name
+            same_tiles = small_m_gemm.fp8_gemm_small_m(x8, xs, layer.weight, layer.weight_scale,
+                                                       small_m_gemm.OUTPUT_PROJECTION_CONFIG)
+            assert torch.equal(part, same_tiles), name
+            assert relative_error(part, want) < 1e-3, name
         else:
             assert relative_error(part, want) < 1e-3, name
 
@@ -469,7 +476,7 @@ def test_small_m_kernel_keeps_dynamic_text_lengths_in_one_graph():
     if torch.cuda.get_device_capability(dev) != (9, 0):
         pytest.skip("the small-M configs are Hopper's (compute capability 9.0)")
     torch.manual_seed(0)
-    layer = ScaledMMLinear.from_linear(nn.Linear(3072, 3072).to(dev, torch.bfloat16), "rowwise", fast_accum=True)
+    layer = ScaledMMLinear.from_linear(nn.Linear(3072, 9216).to(dev, torch.bfloat16), "rowwise", fast_accum=True)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(layer)
