@@ -202,6 +202,7 @@ def main() -> int:
     shipped_gelu_gemm, shipped_v_gemm = mlp.FUSED_GELU_GEMM, fp8_attention.JOINT_V_GEMM
     qk_ops = {SHIPPED: qk_norm_quant._qk_norm_rope_quantize_op}
     text_out_config = small_m_gemm.OUTPUT_PROJECTION_CONFIG
+    shipped_text_out_small_m = (3072, 3072) in small_m_gemm.CONFIGS
     if args.qk_kernel:
         import qk_rows_bench
 
@@ -238,7 +239,7 @@ def main() -> int:
         gelu_gemm = shipped_gelu_gemm if len(extra) < 6 or extra[5] is SHIPPED else extra[5]
         v_gemm = shipped_v_gemm if len(extra) < 7 or extra[6] is SHIPPED else extra[6]
         qk_op = qk_ops[SHIPPED if len(extra) < 8 else extra[7]]
-        text_out_small_m = len(extra) < 9 or extra[8] is SHIPPED or extra[8]
+        text_out_small_m = shipped_text_out_small_m if len(extra) < 9 or extra[8] is SHIPPED else extra[8]
         norm_warps = shipped_norm_warps if len(extra) < 10 or extra[9] is SHIPPED else extra[9]
         signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, use_fused, split_k, sites, gelu_gemm,
                      v_gemm, qk_op, text_out_small_m, norm_warps)
