@@ -6,7 +6,8 @@ M = 1 (2 for Qwen-Image-Edit-2511's zero_cond_t). Each such call is a matrix-vec
 the whole weight: 120 calls read 6.8 GB of e4m3 per forward. One ``torch._scaled_mm`` call per layer
 moves it at about 2.3 TB/s on an H200 (3.0 ms per forward, ``bench/cfg_batch_bench.py``), because each
 launch is too short to reach full bandwidth. :class:`SharedInputLinears` runs a whole group in one
-launch, over a table of the layers' weight, scale and bias addresses.
+launch, over a table of the layers' weight, scale and bias addresses: 1.51 ms at one row, 1.60 ms at two
+(4.5 / 4.2 TB/s, H200), given Triton the hint that those addresses are 16-byte aligned.
 
 Numerics: those of the layers it replaces, up to float32 summation order:
 
@@ -21,7 +22,8 @@ the GEMM output to bf16 before adding the bias).
 Limits: CUDA, bf16 input of at most :data:`MAX_ROWS` rows, e4m3 weights with per-output-channel scales,
 bf16 biases (all layers or none), equal (N, K) in a group, K divisible by :data:`BLOCK_K`. Callers check
 :func:`shared_input_problem`. The weights are read through raw addresses, so a group re-reads them (and
-rebuilds its table) whenever a layer's weight, scale or bias storage changed.
+rebuilds its table) whenever a layer's weight, scale or bias storage changed. An address that is not a multiple of
+16 bytes (a view at an odd offset) runs without the alignment hint: correct, and about half the speed.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from .attention.triton_fp8 import interpreter_active
 from .linear import Fp8Linear, ScaledMMLinear, WeightOnlyLinear
 from .quant import FP8_DTYPE
 
-__all__ = ["BLOCK_K", "FMA_CONFIG", "MAX_ROWS", "ONE_ROW_CONFIG", "SharedInputLinears", "reference_shared_input",
-           "shared_input_problem"]
+__all__ = ["BLOCK_K", "FMA_CONFIG", "MAX_ROWS", "ONE_ROW_CONFIG", "SharedInputLinears",
+           "default_config", "reference_shared_input", "shared_input_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +48,26 @@ MAX_ROWS = 4
 BLOCK_K = 256
 """K must be a multiple of this (the kernels step through K 128 or 256 at a time, unmasked)."""
 DOT_CONFIG = (64, 128, 4, 4)
-"""(BN, BK, num_warps, num_stages) of the tensor-core kernel: 3.59 ms for the 120 modulation linears at one or two
-rows (1.9 TB/s), against 5.1 ms for 120 ``ScaledMMLinear`` calls (H200, ``bench/modulation_bench.py``)."""
+"""(BN, BK, num_warps, num_stages) of the tensor-core kernel, the choice for two to four rows: 1.60 ms for the 120
+modulation linears at two rows (4.24 TB/s; 3.57 ms before the alignment hint), H200, sixteenth session,
+``bench/modulation_stream_bench.py``."""
 ONE_ROW_CONFIG = (4, 1024, 2, 2, "rowsum")
 """For one input row: the kernel without tensor cores that reduces each K step into a (BN,) accumulator, 4 weight
-rows x 1024 columns per step, 2 warps, 2 stages: 2.74 ms (2.48 TB/s) for the 120 modulation linears, against
-3.05 ms for :data:`FMA_CONFIG` (H200, ``bench/modulation_bench.py``, twelfth session). Needs K % 1024 == 0;
-other K take :data:`FMA_CONFIG`."""
+rows x 1024 columns per step, 2 warps, 2 stages: 1.51 ms (4.51 TB/s) for the 120 modulation linears (2.75 ms before
+the alignment hint), against 1.61 ms for :data:`FMA_CONFIG` and 1.53 ms for a persistent kernel over the weights
+stacked in one buffer (H200, sixteenth session, ``bench/modulation_stream_bench.py``). Needs K % 1024 == 0; other K
+take :data:`FMA_CONFIG`."""
 FMA_CONFIG = (16, 256, 4, 1, "fma")
-"""The kernel without tensor cores with (BN, BK) float32 partials: 3.07 ms (2.2 TB/s) for one row in the sixth
-session's run (4.4 ms at two rows), 2.82 ms since the scale and bias are read after the K loop (twelfth
-session); the one-row choice where K is not a multiple of 1024."""
+"""The kernel without tensor cores with (BN, BK) float32 partials: 1.61 ms (4.21 TB/s) for one row with the alignment
+hint (H200, sixteenth session); the one-row choice where K is not a multiple of 1024."""
+
+
+def default_config(rows: int, in_features: int) -> tuple:
+    """The launch configuration :class:`SharedInputLinears` uses for ``rows`` input rows of ``in_features``."""
+    if rows > 1:
+        return DOT_CONFIG
+    return ONE_ROW_CONFIG if in_features % ONE_ROW_CONFIG[1] == 0 else FMA_CONFIG
+
 
 try:
     import triton
@@ -123,12 +134,19 @@ if triton is not None:
     def _shared_input_gemv_kernel(x_ptr, x_scale_ptr, w_table, s_table, b_table, out_ptr, n, ROWS: tl.constexpr,  # noqa: N803
                                   K: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,  # noqa: N803
                                   QUANTIZED_X: tl.constexpr, HAS_BIAS: tl.constexpr,  # noqa: N803
-                                  INTERPRET: tl.constexpr):  # noqa: N803
+                                  INTERPRET: tl.constexpr, ALIGNED: tl.constexpr):  # noqa: N803
         """out[layer, :, n0:n0 + BN] for program (n-tile, layer): the input rows (padded to BR with zeros) times
-        a (BN, K) slice of that layer's weight, as a tensor-core dot so Triton pipelines the weight loads."""
+        a (BN, K) slice of that layer's weight, as a tensor-core dot so Triton pipelines the weight loads.
+        ``ALIGNED``: every table address is a multiple of 16 bytes (``tl.multiple_of`` on the loaded pointers).
+        Triton cannot know the alignment of an address read from memory: without the hint it loads the e4m3
+        weights a byte at a time and does not pipeline them (2.47 TB/s for the modulation weights on an H200,
+        4.5 TB/s with it; sixteenth session, ``bench/modulation_stream_bench.py``)."""
         layer = tl.program_id(1)
         w_ptr = tl.load(w_table + layer).to(tl.pointer_type(tl.float8e4nv))
         s_ptr = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
+        if ALIGNED:
+            w_ptr = tl.multiple_of(w_ptr, 16)
+            s_ptr = tl.multiple_of(s_ptr, 16)
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
         offs_r = tl.arange(0, BR)
         offs_k = tl.arange(0, BK)
@@ -150,6 +168,8 @@ if triton is not None:
         acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
             b_ptr = tl.load(b_table + layer).to(tl.pointer_type(tl.bfloat16))
+            if ALIGNED:
+                b_ptr = tl.multiple_of(b_ptr, 16)
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + layer.to(tl.int64) * ROWS * n + offs_r[:, None] * n + offs_n[None, :]
         tl.store(out, acc.to(tl.bfloat16), mask=r_ok[:, None] & n_ok[None, :])
@@ -159,14 +179,18 @@ if triton is not None:
     def _shared_input_gemv_fma_kernel(x_ptr, x_scale_ptr, w_table, s_table, b_table, out_ptr, n,
                                       ROWS: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,  # noqa: N803
                                       BK: tl.constexpr, QUANTIZED_X: tl.constexpr,  # noqa: N803
-                                      HAS_BIAS: tl.constexpr, ROW_SUM: tl.constexpr):  # noqa: N803
+                                      HAS_BIAS: tl.constexpr, ROW_SUM: tl.constexpr,  # noqa: N803
+                                      ALIGNED: tl.constexpr):  # noqa: N803
         """The same product without tensor cores, per input row: with ``ROW_SUM`` a (BN,) float32 accumulator
         that each K step's products are reduced into (few registers per program, so more programs and weight
         loads in flight per SM: the one-row default), else (BN, BK) float32 partials summed over K at the end
-        (one reduction per row instead of one per K step)."""
+        (one reduction per row instead of one per K step). ``ALIGNED``: as in :func:`_shared_input_gemv_kernel`."""
         layer = tl.program_id(1)
         w_ptr = tl.load(w_table + layer).to(tl.pointer_type(tl.float8e4nv))
         s_ptr = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
+        if ALIGNED:
+            w_ptr = tl.multiple_of(w_ptr, 16)
+            s_ptr = tl.multiple_of(s_ptr, 16)
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)
         n_ok = offs_n < n
@@ -188,6 +212,8 @@ if triton is not None:
         bias = tl.zeros((BN,), dtype=tl.float32)
         if HAS_BIAS:
             b_ptr = tl.load(b_table + layer).to(tl.pointer_type(tl.bfloat16))
+            if ALIGNED:
+                b_ptr = tl.multiple_of(b_ptr, 16)
             bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         for r in tl.static_range(ROWS):
             y = acc0 if r == 0 else acc1
@@ -215,8 +241,8 @@ class SharedInputLinears:
         self.quantized_input = _kind(self.layers[0]) == "scaled_mm"
         self.out_features, self.in_features = self.layers[0].weight.shape
         self.config: tuple | None = None
-        """None: :data:`ONE_ROW_CONFIG` (or :data:`FMA_CONFIG`) for one input row, :data:`DOT_CONFIG` otherwise; or
-        (BN, BK, num_warps, num_stages[, "fma" | "rowsum"]) (``bench/modulation_bench.py`` compares them)."""
+        """None: :func:`default_config`; or (BN, BK, num_warps, num_stages[, "fma" | "rowsum"])
+        (``bench/modulation_bench.py`` and ``bench/modulation_stream_bench.py`` compare them)."""
         self._tables()
 
     def _tensors(self) -> tuple[tuple[torch.Tensor, ...], ...]:
@@ -233,6 +259,12 @@ class SharedInputLinears:
         self._signature = self._addresses()
         table = [[0 if t is None else t.data_ptr() for t in column] for column in zip(*tensors, strict=True)]
         self._w_table, self._s_table, self._b_table = (torch.tensor(c, dtype=torch.int64, device=device) for c in table)
+        self.aligned = all(address % 16 == 0 for column in table for address in column)
+        """Every weight, scale and bias address a multiple of 16 bytes: the kernels get that as a hint (vector
+        loads); False (a view at an odd offset) runs them without it, correct and slower."""
+        if not self.aligned:
+            logger.info("shared-input fp8 linears: a weight, scale or bias address is not 16-byte aligned; the "
+                        "kernel reads them with narrow loads (slower)")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, k = x.shape
@@ -241,6 +273,9 @@ class SharedInputLinears:
                              f"{x.dtype} {tuple(x.shape)}")
         if self._addresses() != self._signature:
             logger.debug("shared-input fp8 linears: a layer's storage changed; rebuilding the address table")
+            problem = shared_input_problem(self.layers)
+            if problem is not None:  # a layer moved off the GPU or was replaced by another kind
+                raise ValueError(f"shared-input fp8 linears: a layer changed and the group cannot run: {problem}")
             self._tables()
         x = x.contiguous()
         if self.quantized_input:
@@ -250,23 +285,24 @@ class SharedInputLinears:
             x_in, x_scale = x, x  # the scale pointer is unused
         n = self.out_features
         out = torch.empty((len(self.layers), rows, n), dtype=torch.bfloat16, device=x.device)
-        config = self.config or (DOT_CONFIG if rows > 1 else ONE_ROW_CONFIG if k % ONE_ROW_CONFIG[1] == 0
-                                 else FMA_CONFIG)
+        config = self.config or default_config(rows, k)
         block_n, block_k, warps, stages = config[:4]
         if k % block_k:
             raise ValueError(f"shared-input fp8 linears: config {config} steps through K {block_k} at a time, "
                              f"which does not divide in_features={k}")
+        tables = (self._w_table, self._s_table, self._b_table)
+        has_bias = self.layers[0].bias is not None
         grid = (triton.cdiv(n, block_n), len(self.layers))
         if len(config) > 4 and rows <= 2:
             _shared_input_gemv_fma_kernel[grid](
-                x_in, x_scale, self._w_table, self._s_table, self._b_table, out, n, ROWS=rows, K=k, BN=block_n,
-                BK=block_k, QUANTIZED_X=self.quantized_input, HAS_BIAS=self.layers[0].bias is not None,
-                ROW_SUM=config[4] == "rowsum", num_warps=warps, num_stages=stages,
+                x_in, x_scale, *tables, out, n, ROWS=rows, K=k, BN=block_n, BK=block_k,
+                QUANTIZED_X=self.quantized_input, HAS_BIAS=has_bias, ROW_SUM=config[4] != "fma", ALIGNED=self.aligned,
+                num_warps=warps, num_stages=stages,
             )  # fmt: skip
             return out
         _shared_input_gemv_kernel[grid](
-            x_in, x_scale, self._w_table, self._s_table, self._b_table, out, n, ROWS=rows, K=k, BR=16, BN=block_n,
-            BK=block_k, QUANTIZED_X=self.quantized_input, HAS_BIAS=self.layers[0].bias is not None,
-            INTERPRET=interpreter_active(), num_warps=warps, num_stages=stages,
+            x_in, x_scale, *tables, out, n, ROWS=rows, K=k, BR=16, BN=block_n, BK=block_k,
+            QUANTIZED_X=self.quantized_input, HAS_BIAS=has_bias, INTERPRET=interpreter_active(), ALIGNED=self.aligned,
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return out

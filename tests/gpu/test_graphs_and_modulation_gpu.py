@@ -16,7 +16,13 @@ import pytest
 import torch
 from qwen_edit_hopper.fp8 import Fp8Config, quantize_linears
 from qwen_edit_hopper.fp8.linear import ScaledMMLinear, WeightOnlyLinear
-from qwen_edit_hopper.fp8.shared_input_gemv import SharedInputLinears, reference_shared_input
+from qwen_edit_hopper.fp8.shared_input_gemv import (
+    DOT_CONFIG,
+    ONE_ROW_CONFIG,
+    SharedInputLinears,
+    default_config,
+    reference_shared_input,
+)
 from qwen_edit_hopper.qwen_edit.checkpoints.dit import DiTConfig
 from qwen_edit_hopper.qwen_edit.fast import graphs, modulation
 from qwen_edit_hopper.qwen_edit.fast_forward import batch_prompts, compile_blocks, fast_model_fn, uncompile_blocks
@@ -60,6 +66,27 @@ def test_shared_input_linears_match_the_layers(kind, rows):
     assert rel_err(got, reference_shared_input(layers, x)) < 2e-3
     # the layers round the GEMM (and, weight-only, the dequantized weight) to bf16 before the bias
     assert rel_err(got, per_layer) < (4e-3 if kind == "scaled_mm" else 1e-2), rel_err(got, per_layer)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("kind", ["scaled_mm", "weight_only"])
+def test_default_kernels_match_the_layers_aligned_or_not(kind, rows):
+    # K = 2048: the one-row kernel at one row, the tensor-core kernel at two; N = 1008 leaves the latter a partial
+    # last tile in every layer
+    layers = _layers(kind, count=5, k=2048, n=1008)
+    x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+    group = SharedInputLinears(layers)
+    assert default_config(rows, 2048) == (ONE_ROW_CONFIG if rows == 1 else DOT_CONFIG) and group.aligned
+    got = group(x)
+    assert rel_err(got, reference_shared_input(layers, x)) < 2e-3, rel_err(got, reference_shared_input(layers, x))
+    # a weight that is a view one byte into its storage: the kernel runs without the alignment hint (narrow
+    # loads; Triton may lay the tile out differently, so the float32 sums may differ in order, not more)
+    unaligned = torch.empty(1008 * 2048 + 1, dtype=layers[2].weight.dtype, device="cuda")[1:].view(1008, 2048)
+    unaligned.copy_(layers[2].weight)
+    layers[2].weight.data = unaligned
+    again = group(x)
+    assert not group.aligned
+    assert rel_err(again, got) < 1e-3, rel_err(again, got)
 
 
 def test_shared_input_linears_follow_a_replaced_weight():
@@ -155,3 +182,26 @@ def test_cuda_graphs_match_kernel_by_kernel_compiled_blocks(fp8_model, inputs):
     finally:
         uncompile_blocks(model)
         torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_compiled_block_keeps_its_buffers_aligned(fp8_model, inputs):
+    """Inductor marks a buffer unaligned when an op's input is a view at an offset that is not a multiple of 16
+    bytes, then every buffer computed from it, and its Triton launches lose the ``tt.divisibility`` hint (no vector
+    loads). The joint v GEMM's scalars once put cuDNN's output scale 4 bytes in: the attention output, the residual
+    updates and the LayerNorm kernels after it were all marked. No buffer of the compiled block may be."""
+    from torch._inductor.utils import run_and_get_code
+
+    x, prompts = inputs
+    model = copy.deepcopy(fp8_model)
+    torch._dynamo.reset()
+    compile_blocks(model)
+    try:
+        _, codes = run_and_get_code(fast_model_fn, model, **x, **prompts[0], attention_backend="cudnn_fp8")
+    finally:
+        uncompile_blocks(model)
+        torch._dynamo.reset()
+    code = "\n".join(codes)
+    assert "joint_v_gemm" in code and "cudnn_fp8_attention" in code, "the block should take the joint v GEMM path"
+    unaligned = [line.strip() for line in code.splitlines() if "is assumed to be not aligned" in line]
+    assert not unaligned, unaligned

@@ -1,5 +1,6 @@
-"""Shared-input fp8 linears (fp8/shared_input_gemv.py) on CPU: refusals, the reference, and both kernels under
-Triton's interpreter. The GPU comparison with the layers themselves is in tests/gpu/test_graphs_and_modulation_gpu.py.
+"""Shared-input fp8 linears (fp8/shared_input_gemv.py) on CPU: refusals, the reference, the default configs, and
+both kernels under Triton's interpreter. The GPU comparison with the layers themselves is in
+tests/gpu/test_graphs_and_modulation_gpu.py.
 """
 
 from __future__ import annotations
@@ -7,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 from qwen_edit_hopper.fp8.linear import ScaledMMLinear, WeightOnlyLinear
-from qwen_edit_hopper.fp8.shared_input_gemv import SharedInputLinears, reference_shared_input, shared_input_problem
+from qwen_edit_hopper.fp8.shared_input_gemv import (
+    DOT_CONFIG,
+    FMA_CONFIG,
+    ONE_ROW_CONFIG,
+    SharedInputLinears,
+    default_config,
+    reference_shared_input,
+    shared_input_problem,
+)
 from triton_interpreter import run_probe
 
 
@@ -118,3 +127,9 @@ def test_kernels_under_the_interpreter_match_the_reference():
     assert "does not divide in_features=256" in refusals[4]
     assert "torch.float32 (3, 256)" in refusals[0] and "(3, 128)" in refusals[1]
     assert "(5, 256)" in refusals[2] and "(0, 256)" in refusals[3]
+
+
+def test_default_config_by_rows_and_k():
+    assert default_config(1, 3072) == ONE_ROW_CONFIG
+    assert default_config(1, 256) == FMA_CONFIG  # K not a multiple of the one-row kernel's 1024-wide step
+    assert default_config(2, 256) == DOT_CONFIG and default_config(4, 3072) == DOT_CONFIG
