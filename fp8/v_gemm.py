@@ -49,6 +49,11 @@ _NORM_CHUNK = 1024
 _TEXT_BLOCK = 1024
 """Columns per step of the text-row cast."""
 
+_SCALAR_SLOTS, _SCALE_O_SLOT = 5, 4
+"""The op's scalars: float32 [descale, -, -, -, scale_o], cuDNN's output scale 16 bytes in. Inductor marks a view that
+starts at an offset not a multiple of 16 bytes (as ``[1:2]`` would) unaligned, then every buffer computed from it:
+the attention output, the residual updates after it and the LayerNorm kernel's input (no vector loads there)."""
+
 if _TRITON_MISSING is None:
     import triton
     import triton.language as tl
@@ -119,7 +124,7 @@ if _TRITON_MISSING is None:
                              cbt_ptr, rows_ptr, scal_ptr, M, N, K, n_txt, s_img, s_joint, margin,  # noqa: N803
                              HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,  # noqa: N803
                              BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,  # noqa: N803
-                             CHUNK: tl.constexpr):  # noqa: N803
+                             CHUNK: tl.constexpr, SCALE_O_SLOT: tl.constexpr):  # noqa: N803
         start = tl.program_id(0)
         bound_img = _norm_max(ni_ptr, M, CHUNK) * tl.load(cbi_ptr) + tl.load(cbi_ptr + 1)
         bound_txt = _norm_max(nt_ptr, n_txt, CHUNK) * tl.load(cbt_ptr) + tl.load(cbt_ptr + 1)
@@ -128,7 +133,7 @@ if _TRITON_MISSING is None:
         descale = bound / 448.0
         if start == 0:
             tl.store(scal_ptr, descale)
-            tl.store(scal_ptr + 1, inv)
+            tl.store(scal_ptr + SCALE_O_SLOT, inv)
         for tile_id in tl.range(start, tl.cdiv(M, BM) * tl.cdiv(N, BN), NUM_SMS, flatten=True):
             y, rows, row_ok, om, on, pid_n = _scaled_tile(a_desc, b_desc, xs_ptr, ws_ptr, bias_ptr, tile_id, M, N, K,
                                                           HAS_BIAS, BM, BN, BK, GROUP_M)
@@ -138,12 +143,13 @@ if _TRITON_MISSING is None:
 
     @triton.jit
     def _text_v_cast_kernel(v_ptr, stride_b, stride_t, bias_ptr, scal_ptr, out_ptr, rows_ptr, length, s_img,
-                            s_joint, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+                            s_joint, N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,  # noqa: N803
+                            SCALE_O_SLOT: tl.constexpr):  # noqa: N803
         row = tl.program_id(0)
         b = row // length
         t = row % length
         descale = tl.load(scal_ptr)
-        inv = tl.load(scal_ptr + 1)
+        inv = tl.load(scal_ptr + SCALE_O_SLOT)
         src = v_ptr + b.to(tl.int64) * stride_b + t.to(tl.int64) * stride_t
         dst = out_ptr + (b.to(tl.int64) * s_joint + s_img + t) * N
         for start in tl.static_range(0, N, BLOCK):
@@ -168,7 +174,7 @@ if _TRITON_MISSING is None:
         bm, bn, bk, warps, stages, group_m = CONFIG
         f32 = {"dtype": torch.float32, "device": x8.device}
         out = torch.empty((b * s_joint, n), dtype=FP8_DTYPE, device=x8.device)
-        scal = torch.empty((2,), **f32)
+        scal = torch.empty((_SCALAR_SLOTS,), **f32)
         img_rows, txt_rows = torch.empty((m, 1), **f32), torch.empty((b * length, 1), **f32)
         num_sms = torch.cuda.get_device_properties(x8.device).multi_processor_count
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -177,11 +183,12 @@ if _TRITON_MISSING is None:
             TensorDescriptor.from_tensor(out, [bm, bn]), x_scale, w_scale, bias if bias is not None else w_scale,
             norms_img, norms_txt, col_bound_img, col_bound_txt, img_rows, scal, m, n, k, norms_txt.numel(), s_img,
             s_joint, BOUND_MARGIN, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
-            NUM_SMS=num_sms, CHUNK=_NORM_CHUNK, num_warps=warps, num_stages=stages)
+            NUM_SMS=num_sms, CHUNK=_NORM_CHUNK, SCALE_O_SLOT=_SCALE_O_SLOT, num_warps=warps, num_stages=stages)
         if b * length:
             _text_v_cast_kernel[(b * length,)](
                 v_txt, v_txt.stride(0), v_txt.stride(1), b_txt if b_txt is not None else scal, scal, out, txt_rows,
-                length, s_img, s_joint, N=n, HAS_BIAS=b_txt is not None, BLOCK=_TEXT_BLOCK, num_warps=4)
+                length, s_img, s_joint, N=n, HAS_BIAS=b_txt is not None, BLOCK=_TEXT_BLOCK,
+                SCALE_O_SLOT=_SCALE_O_SLOT, num_warps=4)
         return out.reshape(b, s_joint, heads, head_dim), scal, img_rows, txt_rows
 
     @_joint_v_gemm_op.register_fake
@@ -190,7 +197,8 @@ if _TRITON_MISSING is None:
         f32 = {"dtype": torch.float32, "device": x8.device}
         s_joint = x8.shape[0] // b + length
         return (torch.empty((b, s_joint, heads, head_dim), dtype=FP8_DTYPE, device=x8.device),
-                torch.empty((2,), **f32), torch.empty((x8.shape[0], 1), **f32), torch.empty((b * length, 1), **f32))
+                torch.empty((_SCALAR_SLOTS,), **f32), torch.empty((x8.shape[0], 1), **f32),
+                torch.empty((b * length, 1), **f32))
 
 
 def joint_v_gemm(x8: torch.Tensor, x_scale: torch.Tensor, norms_img: torch.Tensor, w8: torch.Tensor,
@@ -217,4 +225,5 @@ def joint_v_gemm(x8: torch.Tensor, x_scale: torch.Tensor, norms_img: torch.Tenso
         w_scale.reshape(n).float().contiguous(), bias.contiguous() if bias is not None else None,
         col_bound_img.float().contiguous(), v_txt, None if b_txt is None else b_txt.reshape(n).contiguous(),
         norms_txt.reshape(-1).float().contiguous(), col_bound_txt.float().contiguous())
-    return JointV(v8, scal[0:1].reshape(1, 1, 1, 1), scal[1:2].reshape(1, 1, 1, 1), img_rows, txt_rows)
+    return JointV(v8, scal[0:1].reshape(1, 1, 1, 1), scal[_SCALE_O_SLOT:_SCALE_O_SLOT + 1].reshape(1, 1, 1, 1),
+                  img_rows, txt_rows)
