@@ -20,7 +20,7 @@ What differs from DiffSynth (none of it changes the function; tests/unit/test_fa
 * RoPE from cached real cos/sin tables, fused with the QK RMSNorm (:mod:`.fast.rope`, :mod:`.fast.block`);
 * no host syncs per call: RoPE tables and zero_cond_t's token selector are cached per shape, text
   lengths per mask tensor (or given as ``txt_seq_lens``);
-* optionally (``QWEN_EDIT_FUSED_MODULATION=1``, fp8 modulation weights on a GPU), all blocks' ``img_mod`` /
+* with fp8 modulation weights on a GPU (unless ``QWEN_EDIT_FUSED_MODULATION=0``), all blocks' ``img_mod`` /
   ``txt_mod`` linears run before the first block in two launches (:mod:`.fast.modulation`);
 * ``norm_out`` / ``proj_out`` run on the target image tokens only (DiffSynth computes all, then slices);
 * the final unpatchify keeps the batch (DiffSynth's fixes B = 1).

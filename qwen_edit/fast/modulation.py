@@ -7,11 +7,14 @@ to two rows for all 60 blocks. With fp8 weights (the "attn+mlp+mod compute" pres
 its two (Bt, 6 * dim) rows instead of calling its layers. bf16 models, Transformer Engine layers and CPU
 runs keep the per-block calls (the reason is logged once per model).
 
-Off by default (``QWEN_EDIT_FUSED_MODULATION=1`` turns it on): measured on an H200 it does not pay yet. The
-two launches take 3.1 ms per forward (2.2 TB/s), the same as the compiled blocks' own 120 GEMVs in the
-profile (3.0 ms), and the forward was 189.3 against 187.4 ms (``bench/forward_ab_bench.py``,
-docs/benchmarks.md). A kernel that reached 4 TB/s would save about 1.3 ms. The switch is read on the host and
-is not part of a CUDA graph's signature: change it before graphs are captured (or drop them).
+On by default since the sixteenth session (``QWEN_EDIT_FUSED_MODULATION=0`` turns it off). Until then the two
+launches read the weights at 2.2-2.5 TB/s, no faster than the compiled blocks' own 120 GEMVs, and did not pay
+(sixth and thirteenth sessions). Triton had been loading the weights a byte at a time: their addresses come from a
+table, so it could not know their alignment. With the hint the two launches take 1.51 ms at one row and 1.60 ms at
+two (4.5 / 4.2 TB/s, H200, ``bench/modulation_stream_bench.py``); forward A/B on an H200 (``bench/forward_ab_bench.py
+--alignment`` and ``--modulation-stream``, docs/benchmarks.md): 177.80 -> 175.89 ms and 180.49 -> 180.32 ms at
+batch 1 in two runs. The switch is read on the host and is not part of a CUDA graph's signature: change it before
+graphs are captured (or drop them).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ __all__ = ["FUSED_MODULATION", "block_modulations"]
 
 logger = logging.getLogger(__name__)
 
-FUSED_MODULATION = os.environ.get("QWEN_EDIT_FUSED_MODULATION", "0") != "0"
+FUSED_MODULATION = os.environ.get("QWEN_EDIT_FUSED_MODULATION", "1") != "0"
 """Two shared-input launches for all blocks' modulation where they can run (see the module docstring)."""
 
 _GROUPS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
@@ -40,11 +43,13 @@ def _layers(dit: torch.nn.Module) -> tuple[tuple[torch.nn.Module, ...], tuple[to
 
 
 def _groups(dit: torch.nn.Module) -> tuple[SharedInputLinears, SharedInputLinears] | None:
-    """The two launch groups of ``dit`` (cached while its modulation layers stay the same objects), or None."""
+    """The two launch groups of ``dit`` (cached while its modulation layers stay the same objects on the same
+    device), or None."""
     img_layers, txt_layers = _layers(dit)
+    device = img_layers[0].weight.device if img_layers and hasattr(img_layers[0], "weight") else None
     cached = _GROUPS.get(dit)
-    if cached is not None and cached[0] == img_layers and cached[1] == txt_layers:
-        return cached[2]
+    if cached is not None and cached[:3] == (img_layers, txt_layers, device):
+        return cached[3]
     problem = shared_input_problem(img_layers) or shared_input_problem(txt_layers)
     if problem is None:
         groups = (SharedInputLinears(img_layers), SharedInputLinears(txt_layers))
@@ -53,7 +58,7 @@ def _groups(dit: torch.nn.Module) -> tuple[SharedInputLinears, SharedInputLinear
     else:
         groups = None
         logger.info("fast forward: modulation linears run per block (%s)", problem)
-    _GROUPS[dit] = (img_layers, txt_layers, groups)
+    _GROUPS[dit] = (img_layers, txt_layers, device, groups)
     return groups
 
 
