@@ -34,6 +34,12 @@ and power drift hit all variants alike. Variants:
   attention kernel in the compiled block) through the small-M Triton GEMM or through cuBLASLt;
 * with ``--norm-warps`` instead: the LayerNorm + modulate + quantize kernels at 4, 1 and 2 warps per row (one warp:
   every reduction in shuffles, no shared memory or barriers);
+* with ``--modulation-stream`` instead: every block's modulation linear on its own, or the 120 as two shared-input
+  launches with the kernels as before the sixteenth session (byte-wide weight loads) or with the 16-byte alignment
+  hint (``fp8.shared_input_gemv``);
+* with ``--alignment`` instead: cuDNN's output scale 4 bytes into the joint v GEMM's scalars (as before the
+  sixteenth session: Inductor then marked the attention output and all after it unaligned) or 16 bytes in, with
+  per-block or shared-input modulation;
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
   (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
   timed a cross-block residual update, since removed: docs/experiments/forward.md.)
@@ -132,6 +138,25 @@ TEXT_OUT_VARIANTS = (  # small-M GEMMs and CUDA graphs, all else shipped; 15th f
 NORM_WARPS_VARIANTS = tuple(  # small-M GEMMs and CUDA graphs, all else shipped; 16th field: norm_quant.DEFAULT_WARPS
     (f"LayerNorm kernels: {w} warps per row", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED,
      SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, w) for w in (4, 1, 2))
+MODULATION_STREAM_VARIANTS = (  # small-M GEMMs and CUDA graphs, all else shipped; 17th field: the shared-input
+    # kernels as before the sixteenth session ("before": no 16-byte alignment hint) or shipped
+    ("modulation: per-block linears", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED, SHIPPED,
+     SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED),
+    ("modulation: shared-input, kernels before session 16", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED,
+     True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, "before"),
+    ("modulation: shared-input, with the alignment hint", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED,
+     True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED),
+)
+ALIGNMENT_VARIANTS = (  # small-M GEMMs and CUDA graphs, all else shipped; 18th field: where the joint v GEMM puts
+    # cuDNN's output scale in its scalars (fp8.v_gemm._SCALE_O_SLOT: 1 = 4 bytes in, before the sixteenth session,
+    # which made Inductor mark the attention output and everything after it unaligned; 4 = 16 bytes in)
+    ("scale_o 4 bytes in, per-block modulation (session 15)", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED,
+     True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, "before", 1),
+    ("scale_o 16 bytes in, per-block modulation", False, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True,
+     SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, 4),
+    ("scale_o 16 bytes in, shared-input modulation (hint)", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True,
+     SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, 4),
+)
 GEMM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 7th field: ScaledMMLinear.gemm_kernel
     ("torch._scaled_mm GEMMs", False, True, True, SHIPPED, SHIPPED, "torch"),
     ("workspace-free cuBLASLt GEMMs", False, True, True, SHIPPED, SHIPPED, "cublaslt"),
@@ -175,6 +200,11 @@ def main() -> int:
                         help="instead: the text output projection through the small-M GEMM or cuBLASLt")
     parser.add_argument("--norm-warps", action="store_true",
                         help="instead: the LayerNorm kernels at 4, 1 and 2 warps per row")
+    parser.add_argument("--modulation-stream", action="store_true",
+                        help="instead: modulation per block, or shared-input with the old or the persistent kernel")
+    parser.add_argument("--alignment", action="store_true",
+                        help="instead: cuDNN's output scale 4 or 16 bytes into the joint v GEMM's scalars, with "
+                             "per-block or shared-input modulation")
     parser.add_argument("--zero-cond-t", action="store_true",
                         help="every forward with Qwen-Image-Edit-2511's zero_cond_t (reference tokens at timestep 0)")
     parser.add_argument("--only", metavar="I,J", help="run only these variants (0-based indices of the mode's list)")
@@ -184,11 +214,12 @@ def main() -> int:
                 else RESIDUAL_VARIANTS if args.residual else GELU_GEMM_VARIANTS if args.gelu_gemm
                 else V_GEMM_VARIANTS if args.v_gemm else QK_KERNEL_VARIANTS if args.qk_kernel
                 else TEXT_OUT_VARIANTS if args.text_out else NORM_WARPS_VARIANTS if args.norm_warps
+                else MODULATION_STREAM_VARIANTS if args.modulation_stream else ALIGNMENT_VARIANTS if args.alignment
                 else VARIANTS + (MODULATION_VARIANTS if args.modulation else ()))  # fmt: skip
     if args.only:
         variants = tuple(variants[int(i)] for i in args.only.split(","))
     load_pack()
-    from qwen_edit_hopper.fp8 import norm_quant, qk_norm_quant, small_m_gemm
+    from qwen_edit_hopper.fp8 import norm_quant, qk_norm_quant, small_m_gemm, v_gemm
     from qwen_edit_hopper.fp8.linear import ScaledMMLinear
     from qwen_edit_hopper.qwen_edit import fast_forward as ff
     from qwen_edit_hopper.qwen_edit.compile import dynamo_settings
@@ -200,6 +231,8 @@ def main() -> int:
     shipped_split_k = small_m_gemm.SPLIT_K
     shipped_sites, shipped_fused = residual_gemm.SITES, qkv.USE_FUSED
     shipped_gelu_gemm, shipped_v_gemm = mlp.FUSED_GELU_GEMM, fp8_attention.JOINT_V_GEMM
+    v_gemm_module = v_gemm
+    shipped_scale_o_slot = v_gemm._SCALE_O_SLOT
     qk_ops = {SHIPPED: qk_norm_quant._qk_norm_rope_quantize_op}
     text_out_config = small_m_gemm.OUTPUT_PROJECTION_CONFIG
     shipped_text_out_small_m = (3072, 3072) in small_m_gemm.CONFIGS
@@ -241,8 +274,10 @@ def main() -> int:
         qk_op = qk_ops[SHIPPED if len(extra) < 8 else extra[7]]
         text_out_small_m = shipped_text_out_small_m if len(extra) < 9 or extra[8] is SHIPPED else extra[8]
         norm_warps = shipped_norm_warps if len(extra) < 10 or extra[9] is SHIPPED else extra[9]
+        modulation_before = len(extra) > 10 and extra[10] == "before"
+        scale_o_slot = shipped_scale_o_slot if len(extra) < 12 or extra[11] is SHIPPED else extra[11]
         signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, use_fused, split_k, sites, gelu_gemm,
-                     v_gemm, qk_op, text_out_small_m, norm_warps)
+                     v_gemm, qk_op, text_out_small_m, norm_warps, modulation_before, scale_o_slot)
 
         def call():
             if current[0] != signature:  # not in a graph's signature
@@ -254,6 +289,7 @@ def main() -> int:
                 mlp.FUSED_GELU_GEMM = gelu_gemm
                 fp8_attention.JOINT_V_GEMM = v_gemm
                 qk_norm_quant._qk_norm_rope_quantize_op = qk_op  # read by _checked_call (Dynamo guards on it)
+                v_gemm_module._SCALE_O_SLOT = scale_o_slot  # read by joint_v_gemm (Dynamo guards on it)
                 if text_out_small_m:
                     small_m_gemm.CONFIGS[(3072, 3072)] = text_out_config
                 else:
@@ -262,6 +298,9 @@ def main() -> int:
                 for layer in layers:
                     layer.gemm_kernel = gemm
             modulation.FUSED_MODULATION = fused
+            groups = modulation._groups(module) if fused else None
+            for group in groups or ():
+                group.aligned = not modulation_before  # the model's addresses are all 16-byte aligned
             small_m_gemm.ENABLED = small_m
             norm_quant.DEFAULT_ROWS = shipped_rows if rows is SHIPPED else rows
             norm_quant.DEFAULT_WARPS = norm_warps
