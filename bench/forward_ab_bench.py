@@ -40,6 +40,8 @@ and power drift hit all variants alike. Variants:
 * with ``--alignment`` instead: cuDNN's output scale 4 bytes into the joint v GEMM's scalars (as before the
   sixteenth session: Inductor then marked the attention output and all after it unaligned) or 16 bytes in, with
   per-block or shared-input modulation;
+* with ``--text-gelu-gemm`` instead: the text stream's MLP up-projection by the small-M GEMM + ``gelu_quant`` (as
+  before the sixteenth session) or by the fused GELU GEMM (``fp8.gelu_gemm``, shipped);
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
   (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
   timed a cross-block residual update, since removed: docs/experiments/forward.md.)
@@ -157,6 +159,13 @@ ALIGNMENT_VARIANTS = (  # small-M GEMMs and CUDA graphs, all else shipped; 18th 
     ("scale_o 16 bytes in, shared-input modulation (hint)", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True,
      SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, 4),
 )
+TEXT_GELU_GEMM_VARIANTS = (  # small-M GEMMs and CUDA graphs, all else shipped; 19th field: the text stream's MLP
+    # up-projection by the fused GELU GEMM (shipped since the sixteenth session) or not (small-M GEMM + gelu_quant)
+    ("text up-projection: small-M GEMM + gelu_quant", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True,
+     SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, False),
+    ("text up-projection: fused GELU GEMM", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED,
+     SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True),
+)
 GEMM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 7th field: ScaledMMLinear.gemm_kernel
     ("torch._scaled_mm GEMMs", False, True, True, SHIPPED, SHIPPED, "torch"),
     ("workspace-free cuBLASLt GEMMs", False, True, True, SHIPPED, SHIPPED, "cublaslt"),
@@ -205,6 +214,9 @@ def main() -> int:
     parser.add_argument("--alignment", action="store_true",
                         help="instead: cuDNN's output scale 4 or 16 bytes into the joint v GEMM's scalars, with "
                              "per-block or shared-input modulation")
+    parser.add_argument("--text-gelu-gemm", action="store_true",
+                        help="instead: the text stream's MLP up-projection by small-M GEMM + gelu_quant or the fused "
+                             "GELU GEMM")
     parser.add_argument("--zero-cond-t", action="store_true",
                         help="every forward with Qwen-Image-Edit-2511's zero_cond_t (reference tokens at timestep 0)")
     parser.add_argument("--only", metavar="I,J", help="run only these variants (0-based indices of the mode's list)")
@@ -215,6 +227,7 @@ def main() -> int:
                 else V_GEMM_VARIANTS if args.v_gemm else QK_KERNEL_VARIANTS if args.qk_kernel
                 else TEXT_OUT_VARIANTS if args.text_out else NORM_WARPS_VARIANTS if args.norm_warps
                 else MODULATION_STREAM_VARIANTS if args.modulation_stream else ALIGNMENT_VARIANTS if args.alignment
+                else TEXT_GELU_GEMM_VARIANTS if args.text_gelu_gemm
                 else VARIANTS + (MODULATION_VARIANTS if args.modulation else ()))  # fmt: skip
     if args.only:
         variants = tuple(variants[int(i)] for i in args.only.split(","))
@@ -232,6 +245,14 @@ def main() -> int:
     shipped_sites, shipped_fused = residual_gemm.SITES, qkv.USE_FUSED
     shipped_gelu_gemm, shipped_v_gemm = mlp.FUSED_GELU_GEMM, fp8_attention.JOINT_V_GEMM
     v_gemm_module = v_gemm
+    from qwen_edit_hopper.qwen_edit.fast import block as fast_block
+
+    shipped_uses_gelu_gemm = fast_block.uses_gelu_gemm
+
+    def uses_gelu_gemm_unless_marked(mlp, x):  # the text MLPs off the fused GELU GEMM where a variant says so
+        return shipped_uses_gelu_gemm(mlp, x) and not getattr(mlp, "bench_no_gelu_gemm", False)
+
+    fast_block.uses_gelu_gemm = uses_gelu_gemm_unless_marked
     shipped_scale_o_slot = v_gemm._SCALE_O_SLOT
     qk_ops = {SHIPPED: qk_norm_quant._qk_norm_rope_quantize_op}
     text_out_config = small_m_gemm.OUTPUT_PROJECTION_CONFIG
@@ -276,8 +297,9 @@ def main() -> int:
         norm_warps = shipped_norm_warps if len(extra) < 10 or extra[9] is SHIPPED else extra[9]
         modulation_before = len(extra) > 10 and extra[10] == "before"
         scale_o_slot = shipped_scale_o_slot if len(extra) < 12 or extra[11] is SHIPPED else extra[11]
+        text_gelu_gemm = True if len(extra) < 13 or extra[12] is SHIPPED else extra[12]
         signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, use_fused, split_k, sites, gelu_gemm,
-                     v_gemm, qk_op, text_out_small_m, norm_warps, modulation_before, scale_o_slot)
+                     v_gemm, qk_op, text_out_small_m, norm_warps, modulation_before, scale_o_slot, text_gelu_gemm)
 
         def call():
             if current[0] != signature:  # not in a graph's signature
@@ -290,6 +312,8 @@ def main() -> int:
                 fp8_attention.JOINT_V_GEMM = v_gemm
                 qk_norm_quant._qk_norm_rope_quantize_op = qk_op  # read by _checked_call (Dynamo guards on it)
                 v_gemm_module._SCALE_O_SLOT = scale_o_slot  # read by joint_v_gemm (Dynamo guards on it)
+                for block in module.transformer_blocks:  # read by uses_gelu_gemm_unless_marked below
+                    block.txt_mlp.bench_no_gelu_gemm = not text_gelu_gemm
                 if text_out_small_m:
                     small_m_gemm.CONFIGS[(3072, 3072)] = text_out_config
                 else:

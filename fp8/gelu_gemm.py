@@ -23,11 +23,15 @@ approximation's relative error is about 2^-11, far below e4m3's 2^-4 rounding), 
 round to nearest even e4m3, TMA store. Tiles of the first column block also write ``bound[t] / 448``, the row
 scale the down-projection takes.
 
+Both streams take it: the image stream's 8192 rows in :data:`CONFIG`'s tiles, the text stream's few hundred in
+:data:`SMALL_M_CONFIG`'s (:func:`config_for_rows`). At 32 to 600 rows it beats the small-M GEMM + :mod:`.gelu_quant`
+pair it replaced there at every size measured (H200, ``bench/text_gelu_gemm_bench.py``, sixteenth session: 34.2 ->
+24.2 us at 300 rows, 48.3 -> 40.4 us at 600).
+
 Limits: CUDA compute capability 9.0, Triton with TMA descriptors, e4m3 x (M, K) with contiguous rows and w (N, K)
-contiguous, K and N multiples of 16 (TMA's 16-byte strides), M >= :data:`MIN_ROWS` (fewer rows leave SMs idle in
-these tiles; the text stream keeps its kernels). Callers check :func:`gelu_gemm_problem`. Registered as the custom
-op ``qwen_edit_hopper::gelu_gemm_rowwise`` (``torch.library.custom_op``: one opaque call in compiled blocks, as
-the pack's other TMA kernels).
+contiguous, K and N multiples of 16 (TMA's 16-byte strides). Callers check :func:`gelu_gemm_problem`. Registered
+as the custom op ``qwen_edit_hopper::gelu_gemm_rowwise`` (``torch.library.custom_op``: one opaque call in compiled
+blocks, as the pack's other TMA kernels).
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ import torch
 
 from .quant import E4M3_MAX, FP8_DTYPE
 
-__all__ = ["BOUND_MARGIN", "CONFIG", "MIN_ROWS", "OP_NAME", "column_bound", "gelu_gemm_problem", "gelu_gemm_rowwise",
-           "reference_gelu_gemm"]
+__all__ = ["BOUND_MARGIN", "CONFIG", "OP_NAME", "SMALL_M_CONFIG", "column_bound", "config_for_rows",
+           "gelu_gemm_problem", "gelu_gemm_rowwise", "reference_gelu_gemm"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +53,18 @@ CONFIG = (128, 256, 128, 8, 3, 16)
 """(BM, BN, BK, warps, stages, GROUP_M): the fastest of 12 on an H200 at 8192 x 3072 -> 12288: 441 us, against
 492 us for cuBLASLt + :mod:`.gelu_quant` (bench/fused_up_gemm_bench.py)."""
 
-MIN_ROWS = 1024
-"""Fewest rows (tokens x batch) this path takes; the text stream (about 300 rows) keeps the small-M kernel."""
+SMALL_M_CONFIG = (64, 256, 128, 4, 4, 8)
+"""The tiles for at most :data:`SMALL_M_MAX_ROWS` rows (the text stream): at 300 rows 24.2 us against 38.5 us in
+:data:`CONFIG`'s (H200, 300 x 3072 -> 12288, ``bench/text_gelu_gemm_bench.py``)."""
+
+SMALL_M_MAX_ROWS = 512
+"""Most rows that take :data:`SMALL_M_CONFIG`. Measured at 32, 64, 128, 200, 300, 384, 450, 512 and 600 rows:
+it was the faster of the two at every size but 200 (23.3 against 20.8 us) and 600 (47.0 against 40.4 us)."""
+
+
+def config_for_rows(m: int) -> tuple[int, int, int, int, int, int]:
+    """The kernel's (BM, BN, BK, warps, stages, GROUP_M) for an M-row input."""
+    return SMALL_M_CONFIG if m <= SMALL_M_MAX_ROWS else CONFIG
 
 BOUND_MARGIN = 1.02
 """Covers the float32 roundings of the bound and of the accumulation; the bound itself is exact math."""
@@ -114,8 +128,6 @@ def gelu_gemm_problem(x8: torch.Tensor, w8: torch.Tensor, fast_accum: bool) -> s
         return f"operands must be 2-D {FP8_DTYPE}, got {x8.dtype} {tuple(x8.shape)} and {w8.dtype} {tuple(w8.shape)}"
     m, k = x8.shape
     n = w8.shape[0]
-    if m < MIN_ROWS:
-        return f"{m} rows: fewer than {MIN_ROWS}"
     if k % 16 or n % 16 or w8.shape[1] != k:
         return f"shapes ({m}, {k}) x ({n}, {w8.shape[1]}): K and N must be equal multiples of 16"
     if x8.stride(1) != 1 or x8.stride(0) % 16 or not w8.is_contiguous():
@@ -189,7 +201,7 @@ if triton is not None:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         m, k = x8.shape
         n = w8.shape[0]
-        bm, bn, bk, warps, stages, group_m = CONFIG
+        bm, bn, bk, warps, stages, group_m = config_for_rows(m)
         out = torch.empty((m, n), dtype=FP8_DTYPE, device=x8.device)
         h_scale = torch.empty((m, 1), dtype=torch.float32, device=x8.device)
         num_sms = torch.cuda.get_device_properties(x8.device).multi_processor_count

@@ -39,7 +39,7 @@ from .gelu_gemm import _TRITON_MISSING, BOUND_MARGIN, CONFIG, gelu_gemm_problem
 from .quant import E4M3_MAX, FP8_DTYPE
 from .v_quant import JointV
 
-__all__ = ["OP_NAME", "joint_v_gemm", "joint_v_gemm_problem", "reference_joint_v_gemm"]
+__all__ = ["MIN_IMAGE_ROWS", "OP_NAME", "joint_v_gemm", "joint_v_gemm_problem", "reference_joint_v_gemm"]
 
 OP_NAME = "qwen_edit_hopper::joint_v_gemm"
 
@@ -48,6 +48,9 @@ _NORM_CHUNK = 1024
 
 _TEXT_BLOCK = 1024
 """Columns per step of the text-row cast."""
+
+MIN_IMAGE_ROWS = 1024
+"""Fewest image rows (tokens x batch) the joint v GEMM is used for (its 128-row tiles; measured at 2048 and more)."""
 
 _SCALAR_SLOTS, _SCALE_O_SLOT = 5, 4
 """The op's scalars: float32 [descale, -, -, -, scale_o], cuDNN's output scale 16 bytes in. Inductor marks a view that

@@ -290,7 +290,8 @@ def fast_block(
                                             uses_gelu_gemm(block.img_mlp, image))
     text, txt_in = residual_then_modulated(text, txt_p[2], attn.to_add_out, txt_attn, block.txt_norm2.eps,
                                            txt_mod, (2, 3, 4), txt_p[3], txt_p[4], None,
-                                           mlp_takes_prequantized(block.txt_mlp, text))
+                                           mlp_takes_prequantized(block.txt_mlp, text),
+                                           uses_gelu_gemm(block.txt_mlp, text))
     image = mlp_residual(block.img_mlp, img_in, image, img_p[5])
     text = mlp_residual(block.txt_mlp, txt_in, text, txt_p[5])
     return image, text

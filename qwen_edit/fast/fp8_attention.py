@@ -79,9 +79,10 @@ def joint_v_layers(img_qkv: tuple[torch.nn.Module, ...], txt_qkv: tuple[torch.nn
     """(the image v layer, the text layer holding v) when :func:`...fp8.v_gemm.joint_v_gemm` can make the joint v
     for this block and input (B, S_img, D); else None. Needs :data:`JOINT_V_GEMM`, the ``cudnn_fp8`` backend, three
     image projections, fast-accumulation row-wise fp8 layers with a ``column_bound`` (CUDA), a Hopper GPU, image
-    tokens a multiple of the kernel's 128-row tiles and at least ``gelu_gemm.MIN_ROWS`` image rows. The inputs must
+    tokens a multiple of the kernel's 128-row tiles and at least ``v_gemm.MIN_IMAGE_ROWS`` image rows. The inputs must
     then arrive quantized with row norms (the caller asks the LayerNorm kernels for them)."""
-    from ...fp8.gelu_gemm import CONFIG, MIN_ROWS
+    from ...fp8.gelu_gemm import CONFIG
+    from ...fp8.v_gemm import MIN_IMAGE_ROWS
 
     if not JOINT_V_GEMM or backend != "cudnn_fp8" or len(img_qkv) != 3 or not image.is_cuda:
         return None
@@ -91,7 +92,7 @@ def joint_v_layers(img_qkv: tuple[torch.nn.Module, ...], txt_qkv: tuple[torch.nn
                 or not layer.fast_accum or layer.column_bound is None):
             return None
     tokens = image.shape[1]
-    if tokens % CONFIG[0] or image.shape[0] * tokens < MIN_ROWS:
+    if tokens % CONFIG[0] or image.shape[0] * tokens < MIN_IMAGE_ROWS:
         return None
     if tuple(torch.cuda.get_device_capability(image.device)) != (9, 0):
         return None

@@ -15,10 +15,10 @@ already quantized (:class:`.prequant.Prequantized`, when :func:`mlp_takes_prequa
 benchmark can time both paths in one run.
 
 Where the up-projection is a fast-accumulation row-wise fp8 layer on Hopper and the input arrives quantized with
-its rows' norms (:func:`uses_gelu_gemm`; the image stream), one Triton GEMM does the up-projection, bias, GELU and
-the e4m3 cast (:func:`...fp8.gelu_gemm.gelu_gemm_rowwise`), with a row scale from a bound instead of the row's
-amax; the bf16 hidden state is never written. ``FUSED_GELU_GEMM`` (environment ``QWEN_EDIT_FUSED_GELU_GEMM=0``)
-is its switch.
+its rows' norms (:func:`uses_gelu_gemm`; both streams, the text stream since the sixteenth session), one Triton
+GEMM does the up-projection, bias, GELU and the e4m3 cast (:func:`...fp8.gelu_gemm.gelu_gemm_rowwise`), with a row
+scale from a bound instead of the row's amax; the bf16 hidden state is never written. ``FUSED_GELU_GEMM``
+(environment ``QWEN_EDIT_FUSED_GELU_GEMM=0``) is its switch.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from ...fp8.gelu_gemm import MIN_ROWS, gelu_gemm_rowwise
+from ...fp8.gelu_gemm import gelu_gemm_rowwise
 from ...fp8.gelu_quant import gelu_quant_problem, gelu_quantize_rowwise
 from .prequant import Prequantized, takes_prequantized, unbiased_output
 from .residual_gemm import gated_residual_gemm
@@ -56,10 +56,10 @@ def mlp_takes_prequantized(mlp: torch.nn.Module, x: torch.Tensor) -> bool:
 def uses_gelu_gemm(mlp: torch.nn.Module, x: torch.Tensor) -> bool:
     """True when :func:`mlp_forward` should get its input (like ``x``, (B, S, D) bf16) quantized with row norms, for
     the fused GELU GEMM: :data:`FUSED_GELU_GEMM`, the fused path (:func:`mlp_takes_prequantized`), an up-projection
-    with fast accumulation and a :attr:`column_bound`, a Hopper GPU, and at least ``gelu_gemm.MIN_ROWS`` rows."""
+    with fast accumulation and a :attr:`column_bound`, and a Hopper GPU (both streams, any number of rows)."""
     up = mlp.net[0].proj
     return (FUSED_GELU_GEMM and x.is_cuda and mlp_takes_prequantized(mlp, x) and up.fast_accum
-            and getattr(up, "column_bound", None) is not None and x.shape[0] * x.shape[1] >= MIN_ROWS
+            and getattr(up, "column_bound", None) is not None
             and tuple(torch.cuda.get_device_capability(x.device)) == (9, 0))
 
 

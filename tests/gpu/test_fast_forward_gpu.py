@@ -237,11 +237,12 @@ def test_residual_updates_in_the_gemm_epilogue_match_the_unfused_path(dit, input
     assert rel_err(both[:1], one) < 1e-2
 
 
-def _assert_one_call_per_block_and_no_loss(outs: dict, ref: torch.Tensor, off: str, on: str) -> None:
-    """For :func:`_spied_switch_runs` over (True, False): the spied op ran once per block at batch 1 and at batch 2
-    when on and never when off; the batch-1 error against ``ref`` is the off path's; batch 2's first sample is
-    batch 1's output."""
-    blocks = WIDE.num_layers
+def _assert_one_call_per_block_and_no_loss(outs: dict, ref: torch.Tensor, off: str, on: str,
+                                            per_block: int = 1) -> None:
+    """For :func:`_spied_switch_runs` over (True, False): the spied op ran ``per_block`` times per block at batch 1
+    and at batch 2 when on and never when off; the batch-1 error against ``ref`` is the off path's; batch 2's first
+    sample is batch 1's output."""
+    blocks = WIDE.num_layers * per_block
     assert outs[True][2:] == (blocks, blocks)
     assert outs[False][2:] == (0, 0)
     err_on, err_off = rel_err(outs[True][0], ref), rel_err(outs[False][0], ref)
@@ -253,10 +254,11 @@ def _assert_one_call_per_block_and_no_loss(outs: dict, ref: torch.Tensor, off: s
 
 @pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
 def test_fused_gelu_gemm_matches_the_two_kernel_path(dit, inputs, zero_cond_t, monkeypatch):
-    """The fastest preset's layers, eager: the image MLP's up-projection + GELU + e4m3 cast in one GEMM
-    (``mlp.FUSED_GELU_GEMM``) against cuBLASLt + the GELU-quantize kernel. A spy counts the fused calls: one per
-    block at batch 1 and 2 (the image stream; the text stream's 300 / 600 rows keep their kernels), none when off.
-    The error against DiffSynth bf16 stays where the two-kernel path has it."""
+    """The fastest preset's layers, eager: both streams' MLP up-projection + GELU + e4m3 cast in one GEMM
+    (``mlp.FUSED_GELU_GEMM``) against cuBLASLt (the text stream: the small-M GEMM) + the GELU-quantize kernel. A spy
+    counts the fused calls: two per block at batch 1 and 2 (the image stream's and, since the sixteenth session, the
+    text stream's 300 / 600 rows), none when off. The error against DiffSynth bf16 stays where the two-kernel path
+    has it."""
     _need("cudnn_fp8")
     from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
 
@@ -264,7 +266,7 @@ def test_fused_gelu_gemm_matches_the_two_kernel_path(dit, inputs, zero_cond_t, m
     ref = _diffsynth(dit, x, prompts[0], zero_cond_t=zero_cond_t)
     outs = _spied_switch_runs(dit, inputs, zero_cond_t, monkeypatch, fast_mlp, "gelu_gemm_rowwise", "FUSED_GELU_GEMM",
                               (True, False))
-    _assert_one_call_per_block_and_no_loss(outs, ref, "two kernels", "fused GELU GEMM")
+    _assert_one_call_per_block_and_no_loss(outs, ref, "two kernels", "fused GELU GEMM", per_block=2)
 
 
 @pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])

@@ -46,7 +46,8 @@ def _exact(x8, xs, w8, ws, bias):
 
 
 @pytest.mark.parametrize(("m", "k", "n", "with_bias"), [(8192, 3072, 12288, True), (1500, 3072, 272, False),
-                                                        (2048, 1024, 4096, True)])
+                                                        (2048, 1024, 4096, True), (300, 3072, 12288, True),
+                                                        (37, 3072, 4096, True), (600, 1024, 4096, False)])
 def test_kernel_matches_its_reference(m, k, n, with_bias):
     x8, xs, xn, w8, ws, bias, cb = _operands(m, k, n, with_bias)
     h8, hs = gg.gelu_gemm_rowwise(x8, xs, xn, w8, ws, bias, cb)
@@ -103,9 +104,10 @@ def test_layernorm_kernels_return_the_norms_of_their_codes(rows_per_program, mon
 
 def test_refuses_what_it_cannot_run():
     x8, xs, xn, w8, ws, bias, cb = _operands(512, 1024, 4096, True)
-    with pytest.raises(ValueError, match="fewer than"):
-        gg.gelu_gemm_rowwise(x8, xs, xn, w8, ws, bias, cb)
+    with pytest.raises(ValueError, match="K and N must be equal multiples of 16"):
+        gg.gelu_gemm_rowwise(x8, xs, xn, w8[:, :512], ws, bias, cb)
     assert "fast accumulation" in gg.gelu_gemm_problem(x8, w8, False)
+    assert gg.config_for_rows(300) == gg.SMALL_M_CONFIG and gg.config_for_rows(8192) == gg.CONFIG
 
 
 @pytest.mark.parametrize(("batch", "s_img", "length"), [(1, 8192, 300), (2, 2048, 287), (2, 1024, 0)])
