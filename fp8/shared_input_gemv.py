@@ -267,13 +267,6 @@ class SharedInputLinears:
                         "kernel reads them with narrow loads (slower)")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.launch(*self.prepare(x))
-
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Everything before the kernel, on the current stream: checks ``x`` (R, K) bf16, rebuilds the address table
-        where a layer's storage changed, quantizes x (row-wise layers) and allocates the (L, R, N) bf16 output.
-        Returns (kernel input, its row scales, output) for :meth:`launch`, which may then run on another stream
-        (the caller keeps the three alive until that stream's work is done)."""
         rows, k = x.shape
         if x.dtype != torch.bfloat16 or k != self.in_features or not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"shared-input fp8 linears take (R <= {MAX_ROWS}, {self.in_features}) bf16 input, got "
@@ -290,12 +283,8 @@ class SharedInputLinears:
             x_scale = x_scale.reshape(-1).float().expand(rows).contiguous()
         else:
             x_in, x_scale = x, x  # the scale pointer is unused
-        out = torch.empty((len(self.layers), rows, self.out_features), dtype=torch.bfloat16, device=x.device)
-        return x_in, x_scale, out
-
-    def launch(self, x_in: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The kernel alone, on the current stream, for :meth:`prepare`'s tensors; returns ``out``."""
-        rows, n, k = out.shape[1], self.out_features, self.in_features
+        n = self.out_features
+        out = torch.empty((len(self.layers), rows, n), dtype=torch.bfloat16, device=x.device)
         config = self.config or default_config(rows, k)
         block_n, block_k, warps, stages = config[:4]
         if k % block_k:

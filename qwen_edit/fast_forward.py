@@ -248,8 +248,6 @@ def _forward(dit: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor
     for i, block in enumerate(dit.transformer_blocks):
         if mark:
             mark_sequence_dynamic((image, 1), (text, 1))
-        if mods is not None:
-            mods.before_block(i)
         image, text = block_fn(block, image, text, temb_img, temb_txt, cos, sin, selector, carriers, key_mask,
                                attention_backend, None if mods is None else mods[i])
 
