@@ -42,6 +42,8 @@ and power drift hit all variants alike. Variants:
   per-block or shared-input modulation;
 * with ``--text-gelu-gemm`` instead: the text stream's MLP up-projection by the small-M GEMM + ``gelu_quant`` (as
   before the sixteenth session) or by the fused GELU GEMM (``fp8.gelu_gemm``, shipped);
+* with ``--row-norms`` instead: the LayerNorm kernels' row norms (for the GELU GEMM's and the joint v GEMM's
+  bounds) exact from the e4m3 codes, as before the sixteenth session, or as upper bounds (``fp8.norm_quant``);
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
   (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
   timed a cross-block residual update, since removed: docs/experiments/forward.md.)
@@ -166,6 +168,12 @@ TEXT_GELU_GEMM_VARIANTS = (  # small-M GEMMs and CUDA graphs, all else shipped; 
     ("text up-projection: fused GELU GEMM", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED,
      SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True),
 )
+ROW_NORMS_VARIANTS = (  # small-M GEMMs and CUDA graphs, all else shipped; 20th field: norm_quant.NORMS_FROM_CODES
+    ("row norms from the e4m3 codes (exact)", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED,
+     SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True),
+    ("row norm bounds (shipped)", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED, SHIPPED,
+     SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, False),
+)
 GEMM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 7th field: ScaledMMLinear.gemm_kernel
     ("torch._scaled_mm GEMMs", False, True, True, SHIPPED, SHIPPED, "torch"),
     ("workspace-free cuBLASLt GEMMs", False, True, True, SHIPPED, SHIPPED, "cublaslt"),
@@ -217,6 +225,8 @@ def main() -> int:
     parser.add_argument("--text-gelu-gemm", action="store_true",
                         help="instead: the text stream's MLP up-projection by small-M GEMM + gelu_quant or the fused "
                              "GELU GEMM")
+    parser.add_argument("--row-norms", action="store_true",
+                        help="instead: the LayerNorm kernels' row norms exact from the codes or as bounds (shipped)")
     parser.add_argument("--zero-cond-t", action="store_true",
                         help="every forward with Qwen-Image-Edit-2511's zero_cond_t (reference tokens at timestep 0)")
     parser.add_argument("--only", metavar="I,J", help="run only these variants (0-based indices of the mode's list)")
@@ -227,7 +237,7 @@ def main() -> int:
                 else V_GEMM_VARIANTS if args.v_gemm else QK_KERNEL_VARIANTS if args.qk_kernel
                 else TEXT_OUT_VARIANTS if args.text_out else NORM_WARPS_VARIANTS if args.norm_warps
                 else MODULATION_STREAM_VARIANTS if args.modulation_stream else ALIGNMENT_VARIANTS if args.alignment
-                else TEXT_GELU_GEMM_VARIANTS if args.text_gelu_gemm
+                else TEXT_GELU_GEMM_VARIANTS if args.text_gelu_gemm else ROW_NORMS_VARIANTS if args.row_norms
                 else VARIANTS + (MODULATION_VARIANTS if args.modulation else ()))  # fmt: skip
     if args.only:
         variants = tuple(variants[int(i)] for i in args.only.split(","))
@@ -245,6 +255,7 @@ def main() -> int:
     shipped_sites, shipped_fused = residual_gemm.SITES, qkv.USE_FUSED
     shipped_gelu_gemm, shipped_v_gemm = mlp.FUSED_GELU_GEMM, fp8_attention.JOINT_V_GEMM
     v_gemm_module = v_gemm
+    shipped_norms_from_codes = norm_quant.NORMS_FROM_CODES
     from qwen_edit_hopper.qwen_edit.fast import block as fast_block
 
     shipped_uses_gelu_gemm = fast_block.uses_gelu_gemm
@@ -298,8 +309,10 @@ def main() -> int:
         modulation_before = len(extra) > 10 and extra[10] == "before"
         scale_o_slot = shipped_scale_o_slot if len(extra) < 12 or extra[11] is SHIPPED else extra[11]
         text_gelu_gemm = True if len(extra) < 13 or extra[12] is SHIPPED else extra[12]
+        norms_from_codes = shipped_norms_from_codes if len(extra) < 14 or extra[13] is SHIPPED else extra[13]
         signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, use_fused, split_k, sites, gelu_gemm,
-                     v_gemm, qk_op, text_out_small_m, norm_warps, modulation_before, scale_o_slot, text_gelu_gemm)
+                     v_gemm, qk_op, text_out_small_m, norm_warps, modulation_before, scale_o_slot, text_gelu_gemm,
+                     norms_from_codes)
 
         def call():
             if current[0] != signature:  # not in a graph's signature
@@ -312,6 +325,7 @@ def main() -> int:
                 fp8_attention.JOINT_V_GEMM = v_gemm
                 qk_norm_quant._qk_norm_rope_quantize_op = qk_op  # read by _checked_call (Dynamo guards on it)
                 v_gemm_module._SCALE_O_SLOT = scale_o_slot  # read by joint_v_gemm (Dynamo guards on it)
+                norm_quant.NORMS_FROM_CODES = norms_from_codes  # read by the traced wrappers (Dynamo guards on it)
                 for block in module.transformer_blocks:  # read by uses_gelu_gemm_unless_marked below
                     block.txt_mlp.bench_no_gelu_gemm = not text_gelu_gemm
                 if text_out_small_m:

@@ -8,11 +8,12 @@ row's amax spans every column tile of the GEMM. Here the row scale is known befo
 * ``|GELU(y)| <= |y|`` for Qwen-Image's ``y * sigmoid(1.702 y)``;
 * so ``bound[t] = (||x[t]|| * max_j ||W[j]|| + max_j |b[j]|) * BOUND_MARGIN`` never lets the cast saturate.
 
-``||x[t]||`` comes from the LayerNorm kernel that quantized x (:mod:`.norm_quant`, ``with_norms``), exactly, from
-the e4m3 codes; ``max_j ||W[j]||`` and ``max_j |b[j]|`` from :func:`column_bound`, kept with the layer
-(``ScaledMMLinear.column_bound``). e4m3 is a float format: a scale that is loose by a factor f only moves the
-codes down by log2(f) binades. On Gaussian data the bound is about 15x the row's true max (4 binades of e4m3's
-15), and the hidden state's error against float64 was 2.66e-2, as the amax-scaled path's 2.67e-2
+``||x[t]||`` comes from the LayerNorm kernel that quantized x (:mod:`.norm_quant`, ``with_norms``): an upper bound
+of the e4m3 row's norm, at most 6.25% above it (exact from the codes until the sixteenth session); ``max_j ||W[j]||``
+and ``max_j |b[j]|`` from :func:`column_bound`, kept with the layer (``ScaledMMLinear.column_bound``). e4m3 is a
+float format: a scale that is loose by a factor f only moves the codes down by log2(f) binades. On Gaussian data the
+bound is about 15x the row's true max (4 binades of e4m3's 15), and the hidden state's error against float64 was
+2.66e-2, as the amax-scaled path's 2.67e-2
 (bench/fused_up_gemm_bench.py, docs/benchmarks.md, fourteenth session).
 
 The kernel: persistent, TMA loads of x and W (128 x 256 x 128 tiles, 3 stages, 8 warps), fp32 accumulation of the

@@ -23,6 +23,21 @@ where it is False (then ``R == 2 * sets``).
 norm (``x + gate * (y + bias)``, ``y`` a linear's output) and returns the updated stream: Inductor had
 fused that update into its norm kernel, so without it the fused path would add a pass.
 
+Row norms (``with_norms``, for the bounds of :mod:`.gelu_gemm` and :mod:`.v_gemm`): an upper bound of each quantized
+row's L2 norm ``||codes * scale||``, not the exact value. With ``v = m / scale`` the row before rounding
+(``|v| <= 448``), rounding to nearest moves each element by at most ``2^-4 |v|`` (normal range) or ``2^-10``
+(subnormals), so ``||codes|| <= (1 + 2^-4) ||v|| + 2^-10 sqrt(D)``; times ``scale``:
+``(1 + 2^-4) ||m|| + 2^-10 sqrt(D) scale``. ``||m||`` comes from a sum of squares that rides along in the amax
+reduction. The rounding errors average out over a row, so the bound is about 6% above the exact norm (at most
+(1 + 2^-4) / (1 - 2^-4), 13%, plus the subnormal term). Until the sixteenth session the kernel took the exact norm
+from its codes (an e4m3 -> float conversion and one more reduction per row). For 8192 x 3072 on an H200
+(``bench/norm_quant_norms_bench.py``): exact 31.30 us, bound 29.46, no norms 29.06 alone; right after an fp8 GEMM,
+where it runs in the block, 29.01 / 27.77 / 27.24 us. (A first run had the exact norms at 39.9 us after the GEMM; the
+second did not reproduce it.) The forward A/B could not resolve the difference (173.94 -> 173.72 ms, rounds
+172.4-178.1). The consumers' bounds are loose by about 15x anyway. :data:`NORMS_FROM_CODES`
+brings the exact norms back (for A/B benches). The one-row kernel (widths other than 3 * 2^k) returns the exact
+norms (:func:`quantized_row_norms`).
+
 Limits: CUDA tensors only, bf16 ``x`` with contiguous rows, D <= :data:`.gelu_quant.MAX_COLUMNS`. Callers check
 :func:`norm_quant_problem` and use the plain-torch path when it returns a reason.
 """
@@ -58,6 +73,15 @@ reduction per chunk and statistic), 1 or more the multi-row kernel (``_modulate_
 combined in registers, one reduction per statistic). H200 (docs/benchmarks.md, ninth session): 1 row at 4 warps
 28.1 / 50.1 us against the one-row kernel's 31.2 / 51.5 us (plain / residual, 8192 x 3072), and 187.8 against
 188.8 ms per forward; more rows per program were slower."""
+
+NORMS_FROM_CODES = False
+"""``with_norms`` returns the exact norms of the e4m3 codes (the kernel before the sixteenth session) instead of the
+bound (module docstring, "Row norms"). Read when a block is traced (Dynamo guards on it)."""
+
+E4M3_REL_ROUNDING = 2.0**-4
+"""Largest relative error of rounding a value in e4m3's normal range (|v| >= 2^-6) to nearest: half of 2^-3."""
+E4M3_SUBNORMAL_ROUNDING = 2.0**-10
+"""Largest absolute error of rounding a subnormal value (|v| < 2^-6) to nearest: half of the 2^-9 step."""
 
 try:
     import triton
@@ -118,6 +142,13 @@ def reference_residual_modulate_quantize(x: torch.Tensor, y: torch.Tensor, bias:
 if triton is not None:
     from .attention.triton_fp8 import _to_e4m3, interpreter_active
     from .gelu_quant import _E4M3_MAX, _EPS, _quantize_store_row
+
+    _E4M3_REL_ROUNDING = tl.constexpr(E4M3_REL_ROUNDING)
+    _E4M3_SUBNORMAL_ROUNDING = tl.constexpr(E4M3_SUBNORMAL_ROUNDING)
+
+    @triton.jit
+    def _max_and_sum(a_max, a_sum, b_max, b_sum):
+        return tl.maximum(a_max, b_max), a_sum + b_sum
 
     @triton.jit
     def _residual_chunk(x_ptr, y_ptr, bias_ptr, gate_ptr, new_ptr, cols, mask, RESIDUAL: tl.constexpr,  # noqa: N803
@@ -193,13 +224,14 @@ if triton is not None:
                                     n_rows, tokens, sets, stride_x, stride_y, stride_mod, gate_off, shift_off,
                                     scale_off, eps, HAS_SELECTOR: tl.constexpr,  # noqa: N803
                                     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,  # noqa: N803
-                                    BLOCK: tl.constexpr, NORMS: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
+                                    BLOCK: tl.constexpr, NORMS: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
+                                    EXACT_NORMS: tl.constexpr = False):  # noqa: N803
         """ROWS rows per program as a (ROWS, BLOCK) tile per chunk, rows of exactly 3 * BLOCK columns.
 
         Each reduction (mean, variance, amax) is one cross-warp reduction for all ROWS rows: the three
         chunks are combined in registers first. Rows past ``n_rows`` take the last row's modulation row,
-        load zeros and store nothing. NORMS: also the L2 norm of each quantized row as the GEMM reads it,
-        ``||codes|| * scale`` from the e4m3 codes themselves (for :mod:`.gelu_gemm`'s bound).
+        load zeros and store nothing. NORMS: also an upper bound of the L2 norm of each quantized row as the GEMM
+        reads it, ``||codes|| * scale`` (module docstring, "Row norms").
         """
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         live = rows < n_rows
@@ -228,7 +260,11 @@ if triton is not None:
         m0 = _modulated_chunk(x0, mean, rstd, shift_row, scale_row, cols, live2, False)
         m1 = _modulated_chunk(x1, mean, rstd, shift_row + BLOCK, scale_row + BLOCK, cols, live2, False)
         m2 = _modulated_chunk(x2, mean, rstd, shift_row + 2 * BLOCK, scale_row + 2 * BLOCK, cols, live2, False)
-        amax = tl.max(tl.maximum(tl.maximum(tl.abs(m0), tl.abs(m1)), tl.abs(m2)), axis=1)
+        peak = tl.maximum(tl.maximum(tl.abs(m0), tl.abs(m1)), tl.abs(m2))
+        if NORMS and not EXACT_NORMS:  # the row's sum of squares rides along in the amax reduction (one round)
+            amax, sum_sq = tl.reduce((peak, m0 * m0 + m1 * m1 + m2 * m2), 1, _max_and_sum)
+        else:
+            amax = tl.max(peak, axis=1)
         scale = tl.maximum(amax, _EPS) / _E4M3_MAX
         inv = (1.0 / scale)[:, None]
         out_row = out_ptr + r2 * n_cols
@@ -239,14 +275,19 @@ if triton is not None:
         tl.store(out_row + BLOCK + cols, c1, mask=live2)
         tl.store(out_row + 2 * BLOCK + cols, c2, mask=live2)
         tl.store(scale_ptr + rows, scale, mask=live)
-        if NORMS:
+        if NORMS and EXACT_NORMS:  # ||codes|| * scale from the codes themselves
             f0, f1, f2 = c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32)
             tl.store(norm_ptr + rows, tl.sqrt(tl.sum(f0 * f0 + f1 * f1 + f2 * f2, axis=1)) * scale, mask=live)
+        elif NORMS:  # an upper bound of ||codes|| * scale (module docstring, "Row norms")
+            subnormal = _E4M3_SUBNORMAL_ROUNDING * tl.sqrt(n_cols * 1.0) * scale
+            bound = (1.0 + _E4M3_REL_ROUNDING) * tl.sqrt(sum_sq) + subnormal
+            tl.store(norm_ptr + rows, bound, mask=live)
 
     def _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, residual, num_warps, split_rows,
-                rows_per_program, with_norms=False):
+                rows_per_program, with_norms=False, norms_from_codes=False):
         """residual: None or (y2d, bias or None, gate_index, new2d). Returns (x8, scale, norms): norms (rows, 1)
-        float32 with ``with_norms`` (:func:`quantized_row_norms`' values), else (0, 1)."""
+        float32 with ``with_norms`` (upper bounds of :func:`quantized_row_norms`' values, or those values with
+        ``norms_from_codes``), else (0, 1)."""
         rows, cols = x2d.shape
         out = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x2d.device)
         scale = torch.empty((rows, 1), dtype=torch.float32, device=x2d.device)
@@ -263,7 +304,7 @@ if triton is not None:
             wrap_triton(_modulate_quant_rows_kernel)[(triton.cdiv(rows, rows_per_program),)](
                 *args, norms if with_norms else scale, rows, tokens, sets, x2d.stride(0), y2d.stride(0),
                 mod.stride(0), gate_index * cols, shift_index * cols, scale_index * cols, eps, ROWS=rows_per_program,
-                NORMS=with_norms, **common)
+                NORMS=with_norms, EXACT_NORMS=norms_from_codes, **common)
         else:
             wrap_triton(_modulate_quant_kernel)[(rows,)](
                 *args, cols, tokens, sets, x2d.stride(0), y2d.stride(0), mod.stride(0), gate_index * cols,
@@ -276,22 +317,23 @@ if triton is not None:
     def _modulate_quantize_op(x2d: torch.Tensor, tokens: int, eps: float, mod: torch.Tensor, n_params: int,
                               shift_index: int, scale_index: int, selector: torch.Tensor | None,
                               num_warps: int = DEFAULT_WARPS, split_rows: bool = True,
-                              rows_per_program: int = DEFAULT_ROWS, with_norms: bool = False
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              rows_per_program: int = DEFAULT_ROWS, with_norms: bool = False,
+                              norms_from_codes: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, None, num_warps, split_rows,
-                       rows_per_program, with_norms)
+                       rows_per_program, with_norms, norms_from_codes)
 
     @triton_op(RESIDUAL_OP_NAME, mutates_args={})
     def _residual_modulate_quantize_op(x2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, tokens: int,
                                        eps: float, mod: torch.Tensor, n_params: int, gate_index: int,
                                        shift_index: int, scale_index: int, selector: torch.Tensor | None,
                                        num_warps: int = DEFAULT_WARPS, split_rows: bool = True,
-                                       rows_per_program: int = DEFAULT_ROWS, with_norms: bool = False
+                                       rows_per_program: int = DEFAULT_ROWS, with_norms: bool = False,
+                                       norms_from_codes: bool = False
                                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         new2d = torch.empty_like(x2d)
         out, scale, norms = _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector,
                                     (y2d, bias, gate_index, new2d), num_warps, split_rows, rows_per_program,
-                                    with_norms)
+                                    with_norms, norms_from_codes)
         return new2d, out, scale, norms
 
 
@@ -307,8 +349,8 @@ def modulate_quantize_rowwise(x: torch.Tensor, eps: float, mod: torch.Tensor, n_
 
     x: [B, S, D] bf16 CUDA; mod: [R, n_params * D] with contiguous rows; selector: None, or a bool
     tensor of S elements ([S] or [1, S, 1]). Returns (x8 [B * S, D] float8_e4m3fn, scale [B * S, 1]
-    float32), and with ``with_norms`` also norms [B * S, 1] float32 (:func:`quantized_row_norms`, from the
-    kernel's own codes). Raises ValueError with the reason where the kernel cannot run.
+    float32), and with ``with_norms`` also norms [B * S, 1] float32 (upper bounds of :func:`quantized_row_norms`:
+    module docstring, "Row norms"). Raises ValueError with the reason where the kernel cannot run.
     """
     problem = norm_quant_problem(x.device, x.shape[-1])
     if problem is not None:
@@ -319,7 +361,7 @@ def modulate_quantize_rowwise(x: torch.Tensor, eps: float, mod: torch.Tensor, n_
     sel = None if selector is None else selector.reshape(-1).to(torch.uint8)
     x8, scale, norms = _modulate_quantize_op(x.reshape(-1, x.shape[-1]).contiguous(), x.shape[1], float(eps), mod,
                                              n_params, shift_index, scale_index, sel, DEFAULT_WARPS,
-                                             gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, with_norms)
+                                             gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, with_norms, NORMS_FROM_CODES)
     return (x8, scale, norms) if with_norms else (x8, scale)
 
 
@@ -333,7 +375,7 @@ def residual_modulate_quantize_rowwise(x: torch.Tensor, y: torch.Tensor, bias: t
     modulation vector at ``gate_index``, chosen per token as shift and scale are), then the quantized
     ``LayerNorm(new) * (1 + scale) + shift``. x: [B, S, D] bf16 CUDA; y: [B * S, D] bf16 with contiguous rows;
     bias: [D] or None. Returns (new [B, S, D] bf16, x8 [B * S, D] float8_e4m3fn, scale [B * S, 1] float32), and
-    with ``with_norms`` also norms [B * S, 1] float32 (:func:`quantized_row_norms`).
+    with ``with_norms`` also norms [B * S, 1] float32 (upper bounds of :func:`quantized_row_norms`).
     """
     problem = norm_quant_problem(x.device, x.shape[-1])
     if problem is not None:
@@ -345,5 +387,5 @@ def residual_modulate_quantize_rowwise(x: torch.Tensor, y: torch.Tensor, bias: t
     new, x8, scale, norms = _residual_modulate_quantize_op(
         x.reshape(-1, x.shape[-1]).contiguous(), y, bias.to(y.dtype).contiguous() if bias is not None else None,
         x.shape[1], float(eps), mod, n_params, gate_index, shift_index, scale_index, sel, DEFAULT_WARPS,
-        gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, with_norms)
+        gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, with_norms, NORMS_FROM_CODES)
     return (new.reshape(x.shape), x8, scale, norms) if with_norms else (new.reshape(x.shape), x8, scale)

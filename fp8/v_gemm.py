@@ -7,9 +7,10 @@ twice: a max pass for the scale and a cast into the joint sequence. Here the sca
 * by Cauchy-Schwarz, ``|v[t, j]| <= ||x[t]|| * ||W[j]|| + |b[j]|`` for each stream (x, W dequantized);
 * so ``bound = max over both streams of (max_t ||x[t]|| * max_j ||W[j]|| + max_j |b[j]|) * BOUND_MARGIN``.
 
-The row norms come from the LayerNorm kernels that quantized each stream's input (:mod:`.norm_quant`,
-``with_norms``); the weight side from each layer's ``column_bound`` (:func:`.gelu_gemm.column_bound`; for the text
-stream's fused Q/K/V layer it covers all three projections, a looser but valid bound). e4m3 is a float format: a
+The row norms (upper bounds of them) come from the LayerNorm kernels that quantized each stream's input
+(:mod:`.norm_quant`, ``with_norms``); the weight side from each layer's ``column_bound``
+(:func:`.gelu_gemm.column_bound`; for the text stream's fused Q/K/V layer it covers all three projections, a looser
+but valid bound). e4m3 is a float format: a
 loose scale only moves the codes down the exponent range (about 14x, 4 of 15 binades, on Gaussian data:
 bench/fused_qkv_gemm_bench.py).
 

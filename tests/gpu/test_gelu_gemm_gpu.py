@@ -89,17 +89,31 @@ def test_bound_holds_for_rows_along_the_weight():
 
 
 @pytest.mark.parametrize("rows_per_program", [0, 1])
-def test_layernorm_kernels_return_the_norms_of_their_codes(rows_per_program, monkeypatch):
+def test_layernorm_kernels_bound_the_norms_of_their_codes(rows_per_program, monkeypatch):
     monkeypatch.setattr(nq, "DEFAULT_ROWS", rows_per_program)
     x = (torch.randn(2, 1000, 3072, device="cuda") * 3 + 1).bfloat16()
     y = torch.randn(2000, 3072, device="cuda").bfloat16()
     mod = torch.randn(2, 6 * 3072, device="cuda").bfloat16()
     x8, scale, norms = nq.modulate_quantize_rowwise(x, 1e-6, mod, 6, 0, 1, None, with_norms=True)
-    torch.testing.assert_close(norms, nq.quantized_row_norms(x8, scale), rtol=1e-5, atol=0)
+    _assert_norm_bounds(norms, x8, scale, rows_per_program)
     assert len(nq.modulate_quantize_rowwise(x, 1e-6, mod, 6, 0, 1, None)) == 2
     _, x8, scale, norms = nq.residual_modulate_quantize_rowwise(x, y, None, 1e-6, mod, 6, 2, 3, 4, None,
                                                                 with_norms=True)
-    torch.testing.assert_close(norms, nq.quantized_row_norms(x8, scale), rtol=1e-5, atol=0)
+    _assert_norm_bounds(norms, x8, scale, rows_per_program)
+
+
+def _assert_norm_bounds(norms, x8, scale, rows_per_program):
+    """The multi-row kernel returns upper bounds of its codes' norms (norm_quant docstring, "Row norms"): above the
+    exact norms, by at most the rounding bound's slack; on Gaussian rows about 1 + 2^-4 times them. The one-row
+    kernel returns the exact norms."""
+    exact = nq.quantized_row_norms(x8, scale)
+    if rows_per_program == 0:
+        torch.testing.assert_close(norms, exact, rtol=1e-5, atol=0)
+        return
+    ratio = (norms.double() / exact.double()).reshape(-1)
+    assert ratio.min().item() >= 1 - 1e-5, ratio.min().item()
+    limit = (1 + nq.E4M3_REL_ROUNDING) / (1 - nq.E4M3_REL_ROUNDING)
+    assert ratio.max().item() <= limit * (1 + 1e-5), ratio.max().item()
 
 
 def test_refuses_what_it_cannot_run():

@@ -75,6 +75,14 @@ from qwen_edit_hopper.fp8.quant import dequantize, relative_error
 def truncate_bf16(x):  # the interpreter's fp32 -> bf16 cast
     return (x.float().view(torch.int32) & -65536).view(torch.float32)
 
+def norms_bound(norms, x8, scale):
+    # the multi-row kernel's norms bound the exact ones from above, by at most the rounding bound's slack
+    exact = nq.quantized_row_norms(x8, scale).double()
+    n, s, d = norms.double(), scale.double().reshape(-1, 1), x8.shape[1]
+    slack = 2 * nq.E4M3_SUBNORMAL_ROUNDING * d ** 0.5 * s
+    ratio = (1 + nq.E4M3_REL_ROUNDING) / (1 - nq.E4M3_REL_ROUNDING)
+    return bool(((n >= exact * (1 - 1e-5)) & (n <= exact * ratio * (1 + 1e-5) + slack)).all())
+
 def truncating_reference(x, eps, mod, first, selector):
     b, s, d = x.shape
     sets = mod.shape[0] // 2 if selector is not None else mod.shape[0]
@@ -100,7 +108,7 @@ for b, s, d, sets, with_sel, first in ((1, 5, 200, 1, False, 0), (2, 6, 128, 1, 
                                                     True)
         r8, rs = truncating_reference(x, 1e-6, mod, first, sel)
         rows.append(dict(case=[b, s, d, sets, with_sel, first, per_program],
-                         norms_err=relative_error(norms, nq.quantized_row_norms(x8, scale)),
+                         norms_bound=norms_bound(norms, x8, scale),
                          finite=bool(torch.isfinite(x8.float()).all()), scale_err=relative_error(scale, rs),
                          err=relative_error(dequantize(x8, scale), dequantize(r8, rs)),
                          same_codes=float((x8.float() == r8.float()).float().mean())))
@@ -122,6 +130,7 @@ for b, s, d, sets, with_sel, with_bias in ((2, 6, 128, 1, False, True), (2, 9, 9
         want_new = truncate_bf16(x.reshape(-1, d).float() + gate * update)
         r8, rs = truncating_reference(want_new.reshape(b, s, d), 1e-6, mod, 3, sel)
         rows.append(dict(case=[b, s, d, sets, with_sel, "residual", per_program],
+                         norms_bound=per_program != 1 or norms_bound(norms, x8, scale),
                          finite=bool(torch.isfinite(x8.float()).all()), new_err=relative_error(new.float(), want_new),
                          scale_err=relative_error(scale, rs),
                          err=relative_error(dequantize(x8, scale), dequantize(r8, rs)),
@@ -142,5 +151,6 @@ def test_kernel_matches_the_reference_under_the_interpreter():
         assert row["scale_err"] < 1e-2, row
         assert row["err"] < 2e-2, row
         assert row["same_codes"] > 0.98, row
-        # the norms of the kernel's own codes (multi-row kernel) or of its output (one-row kernel, in torch)
-        assert row.get("norms_err", 0.0) < 1e-6, row
+        # upper bounds of the norms of the kernel's own codes (multi-row kernel; module docstring, "Row norms"), or
+        # those norms themselves (one-row kernel, in torch)
+        assert row["norms_bound"], row
