@@ -7,7 +7,7 @@ the whole weight: 120 calls read 6.8 GB of e4m3 per forward. One ``torch._scaled
 moves it at about 2.3 TB/s on an H200 (3.0 ms per forward, ``bench/cfg_batch_bench.py``), because each
 launch is too short to reach full bandwidth. :class:`SharedInputLinears` runs a whole group in one
 launch, over a table of the layers' weight, scale and bias addresses: 1.51 ms at one row, 1.60 ms at two
-(4.5 / 4.2 TB/s, H200), given Triton the hint that those addresses are 16-byte aligned.
+(4.5 / 4.2 TB/s, H200), with the hint to Triton that those addresses are 16-byte aligned.
 
 Numerics: those of the layers it replaces, up to float32 summation order:
 
