@@ -74,12 +74,6 @@ combined in registers, one reduction per statistic). H200 (docs/benchmarks.md, n
 28.1 / 50.1 us against the one-row kernel's 31.2 / 51.5 us (plain / residual, 8192 x 3072), and 187.8 against
 188.8 ms per forward; more rows per program were slower."""
 
-UNIFORM_MODULATION = True
-"""Load the modulation vectors once per program where all its rows share them (no selector, ``tokens`` a multiple of
-the rows per program): ``_modulate_quant_rows_kernel``'s UNIFORM. False: once per row, as before the seventeenth
-session (for A/B benches). Read by the wrappers and passed to the ops, so Dynamo guards on it like
-:data:`DEFAULT_ROWS`."""
-
 NORMS_FROM_CODES = False
 """``with_norms`` returns the exact norms of the e4m3 codes (the kernel before the sixteenth session) instead of the
 bound (module docstring, "Row norms"). Read when a block is traced (Dynamo guards on it)."""
@@ -231,15 +225,13 @@ if triton is not None:
                                     scale_off, eps, HAS_SELECTOR: tl.constexpr,  # noqa: N803
                                     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,  # noqa: N803
                                     BLOCK: tl.constexpr, NORMS: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
-                                    EXACT_NORMS: tl.constexpr = False, UNIFORM: tl.constexpr = False):  # noqa: N803
+                                    EXACT_NORMS: tl.constexpr = False):  # noqa: N803
         """ROWS rows per program as a (ROWS, BLOCK) tile per chunk, rows of exactly 3 * BLOCK columns.
 
         Each reduction (mean, variance, amax) is one cross-warp reduction for all ROWS rows: the three
         chunks are combined in registers first. Rows past ``n_rows`` take the last row's modulation row,
         load zeros and store nothing. NORMS: also an upper bound of the L2 norm of each quantized row as the GEMM
-        reads it, ``||codes|| * scale`` (module docstring, "Row norms"). UNIFORM: every row of every program uses
-        the same modulation row (no selector, ``tokens % ROWS == 0``): shift, scale and gate are loaded once per
-        program as (1, BLOCK) vectors instead of once per row, and nothing is masked (``n_rows % ROWS == 0``).
+        reads it, ``||codes|| * scale`` (module docstring, "Row norms").
         """
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         live = rows < n_rows
@@ -253,17 +245,14 @@ if triton is not None:
         live2 = live[:, None]
         r2, p2 = rows[:, None], prow[:, None]
         x_row, y_row, new_row = x_ptr + r2 * stride_x, y_ptr + r2 * stride_y, new_ptr + r2 * (3 * BLOCK)
-        if UNIFORM:  # one modulation row for the program: (1, BLOCK) loads, broadcast over its rows
-            mod_row = mod_ptr + ((tl.program_id(0).to(tl.int64) * ROWS // tokens) % sets) * stride_mod
-        else:
-            mod_row = mod_ptr + p2 * stride_mod
+        mod_row = mod_ptr + p2 * stride_mod
         gate_row, shift_row, scale_row = mod_row + gate_off, mod_row + shift_off, mod_row + scale_off
-        # masked by row unless UNIFORM: a program's rows past n_rows load zeros and store nothing
-        x0 = _residual_chunk(x_row, y_row, bias_ptr, gate_row, new_row, cols, live2, RESIDUAL, HAS_BIAS, not UNIFORM)
+        # masked by row: a program's rows past n_rows load zeros and store nothing
+        x0 = _residual_chunk(x_row, y_row, bias_ptr, gate_row, new_row, cols, live2, RESIDUAL, HAS_BIAS, True)
         x1 = _residual_chunk(x_row + BLOCK, y_row + BLOCK, bias_ptr + BLOCK, gate_row + BLOCK, new_row + BLOCK, cols,
-                             live2, RESIDUAL, HAS_BIAS, not UNIFORM)
+                             live2, RESIDUAL, HAS_BIAS, True)
         x2 = _residual_chunk(x_row + 2 * BLOCK, y_row + 2 * BLOCK, bias_ptr + 2 * BLOCK, gate_row + 2 * BLOCK,
-                             new_row + 2 * BLOCK, cols, live2, RESIDUAL, HAS_BIAS, not UNIFORM)
+                             new_row + 2 * BLOCK, cols, live2, RESIDUAL, HAS_BIAS, True)
         n_cols = 3 * BLOCK
         mean = (tl.sum(x0 + x1 + x2, axis=1) / n_cols)[:, None]
         d0, d1, d2 = x0 - mean, x1 - mean, x2 - mean
@@ -282,14 +271,9 @@ if triton is not None:
         c0 = _to_e4m3(tl.clamp(m0 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET)
         c1 = _to_e4m3(tl.clamp(m1 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET)
         c2 = _to_e4m3(tl.clamp(m2 * inv, -_E4M3_MAX, _E4M3_MAX), INTERPRET)
-        if UNIFORM:
-            tl.store(out_row + cols, c0)
-            tl.store(out_row + BLOCK + cols, c1)
-            tl.store(out_row + 2 * BLOCK + cols, c2)
-        else:
-            tl.store(out_row + cols, c0, mask=live2)
-            tl.store(out_row + BLOCK + cols, c1, mask=live2)
-            tl.store(out_row + 2 * BLOCK + cols, c2, mask=live2)
+        tl.store(out_row + cols, c0, mask=live2)
+        tl.store(out_row + BLOCK + cols, c1, mask=live2)
+        tl.store(out_row + 2 * BLOCK + cols, c2, mask=live2)
         tl.store(scale_ptr + rows, scale, mask=live)
         if NORMS and EXACT_NORMS:  # ||codes|| * scale from the codes themselves
             f0, f1, f2 = c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32)
@@ -300,11 +284,10 @@ if triton is not None:
             tl.store(norm_ptr + rows, bound, mask=live)
 
     def _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, residual, num_warps, split_rows,
-                rows_per_program, with_norms=False, norms_from_codes=False, uniform_modulation=True):
+                rows_per_program, with_norms=False, norms_from_codes=False):
         """residual: None or (y2d, bias or None, gate_index, new2d). Returns (x8, scale, norms): norms (rows, 1)
         float32 with ``with_norms`` (upper bounds of :func:`quantized_row_norms`' values, or those values with
-        ``norms_from_codes``), else (0, 1). ``uniform_modulation``: the multi-row kernel loads the modulation once
-        per program where every row of the launch shares it (:data:`UNIFORM_MODULATION`)."""
+        ``norms_from_codes``), else (0, 1)."""
         rows, cols = x2d.shape
         out = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x2d.device)
         scale = torch.empty((rows, 1), dtype=torch.float32, device=x2d.device)
@@ -318,11 +301,10 @@ if triton is not None:
         args = (x2d, mod, selector if selector is not None else x2d, out, scale, y2d, bias if bias is not None else x2d,
                 new2d)
         if rows_per_program > 0 and chunks == 3:
-            uniform = uniform_modulation and selector is None and tokens % rows_per_program == 0
             wrap_triton(_modulate_quant_rows_kernel)[(triton.cdiv(rows, rows_per_program),)](
                 *args, norms if with_norms else scale, rows, tokens, sets, x2d.stride(0), y2d.stride(0),
                 mod.stride(0), gate_index * cols, shift_index * cols, scale_index * cols, eps, ROWS=rows_per_program,
-                NORMS=with_norms, EXACT_NORMS=norms_from_codes, UNIFORM=uniform, **common)
+                NORMS=with_norms, EXACT_NORMS=norms_from_codes, **common)
         else:
             wrap_triton(_modulate_quant_kernel)[(rows,)](
                 *args, cols, tokens, sets, x2d.stride(0), y2d.stride(0), mod.stride(0), gate_index * cols,
@@ -336,10 +318,9 @@ if triton is not None:
                               shift_index: int, scale_index: int, selector: torch.Tensor | None,
                               num_warps: int = DEFAULT_WARPS, split_rows: bool = True,
                               rows_per_program: int = DEFAULT_ROWS, with_norms: bool = False,
-                              norms_from_codes: bool = False, uniform_modulation: bool = True
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              norms_from_codes: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, None, num_warps, split_rows,
-                       rows_per_program, with_norms, norms_from_codes, uniform_modulation)
+                       rows_per_program, with_norms, norms_from_codes)
 
     @triton_op(RESIDUAL_OP_NAME, mutates_args={})
     def _residual_modulate_quantize_op(x2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, tokens: int,
@@ -347,12 +328,12 @@ if triton is not None:
                                        shift_index: int, scale_index: int, selector: torch.Tensor | None,
                                        num_warps: int = DEFAULT_WARPS, split_rows: bool = True,
                                        rows_per_program: int = DEFAULT_ROWS, with_norms: bool = False,
-                                       norms_from_codes: bool = False, uniform_modulation: bool = True
+                                       norms_from_codes: bool = False
                                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         new2d = torch.empty_like(x2d)
         out, scale, norms = _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector,
                                     (y2d, bias, gate_index, new2d), num_warps, split_rows, rows_per_program,
-                                    with_norms, norms_from_codes, uniform_modulation)
+                                    with_norms, norms_from_codes)
         return new2d, out, scale, norms
 
 
@@ -380,8 +361,7 @@ def modulate_quantize_rowwise(x: torch.Tensor, eps: float, mod: torch.Tensor, n_
     sel = None if selector is None else selector.reshape(-1).to(torch.uint8)
     x8, scale, norms = _modulate_quantize_op(x.reshape(-1, x.shape[-1]).contiguous(), x.shape[1], float(eps), mod,
                                              n_params, shift_index, scale_index, sel, DEFAULT_WARPS,
-                                             gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, with_norms, NORMS_FROM_CODES,
-                                             UNIFORM_MODULATION)
+                                             gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, with_norms, NORMS_FROM_CODES)
     return (x8, scale, norms) if with_norms else (x8, scale)
 
 
@@ -407,5 +387,5 @@ def residual_modulate_quantize_rowwise(x: torch.Tensor, y: torch.Tensor, bias: t
     new, x8, scale, norms = _residual_modulate_quantize_op(
         x.reshape(-1, x.shape[-1]).contiguous(), y, bias.to(y.dtype).contiguous() if bias is not None else None,
         x.shape[1], float(eps), mod, n_params, gate_index, shift_index, scale_index, sel, DEFAULT_WARPS,
-        gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, with_norms, NORMS_FROM_CODES, UNIFORM_MODULATION)
+        gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, with_norms, NORMS_FROM_CODES)
     return (new.reshape(x.shape), x8, scale, norms) if with_norms else (new.reshape(x.shape), x8, scale)
