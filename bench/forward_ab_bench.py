@@ -44,6 +44,10 @@ and power drift hit all variants alike. Variants:
   before the sixteenth session) or by the fused GELU GEMM (``fp8.gelu_gemm``, shipped);
 * with ``--row-norms`` instead: the LayerNorm kernels' row norms (for the GELU GEMM's and the joint v GEMM's
   bounds) exact from the e4m3 codes, as before the sixteenth session, or as upper bounds (``fp8.norm_quant``);
+* with ``--trim-last-block`` instead: the last block whole, or after its attention only the target image tokens
+  (``qwen_edit.fast_forward.TRIM_LAST_BLOCK``: no reference-token rows in its output projection and MLP, no text
+  stream, cuDNN's attention for the target query rows only; a first version that limited the query rows by cuDNN's
+  padding mask instead gained less: docs/benchmarks.md, eighteenth session);
 * with ``--norm`` instead: the LayerNorm + modulate + quantize kernels, one-row or multi-row
   (``fp8.norm_quant.DEFAULT_ROWS``), with small-M GEMMs and CUDA graphs. (Commit e9a0a48 of this bench also
   timed a cross-block residual update, since removed: docs/experiments/forward.md.)
@@ -174,6 +178,11 @@ ROW_NORMS_VARIANTS = (  # small-M GEMMs and CUDA graphs, all else shipped; 20th 
     ("row norm bounds (shipped)", True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED, SHIPPED,
      SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, False),
 )
+TRIM_VARIANTS = tuple(  # small-M GEMMs and CUDA graphs, all else shipped; 21st field: fast_forward.TRIM_LAST_BLOCK
+    (label, True, True, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, True, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED,
+     SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, SHIPPED, trim)
+    for label, trim in (("last block whole", False), ("last block: the target tokens only after the attention", True)))
+
 GEMM_VARIANTS = (  # all with small-M GEMMs and CUDA graphs; 7th field: ScaledMMLinear.gemm_kernel
     ("torch._scaled_mm GEMMs", False, True, True, SHIPPED, SHIPPED, "torch"),
     ("workspace-free cuBLASLt GEMMs", False, True, True, SHIPPED, SHIPPED, "cublaslt"),
@@ -227,11 +236,14 @@ def main() -> int:
                              "GELU GEMM")
     parser.add_argument("--row-norms", action="store_true",
                         help="instead: the LayerNorm kernels' row norms exact from the codes or as bounds (shipped)")
+    parser.add_argument("--trim-last-block", action="store_true",
+                        help="instead: the last block whole, or only its target image tokens after the attention")
     parser.add_argument("--zero-cond-t", action="store_true",
                         help="every forward with Qwen-Image-Edit-2511's zero_cond_t (reference tokens at timestep 0)")
     parser.add_argument("--only", metavar="I,J", help="run only these variants (0-based indices of the mode's list)")
     args = parser.parse_args()
-    variants = (NORM_VARIANTS if args.norm else SCALAR_VARIANTS if args.scalars else GEMM_VARIANTS if args.gemm
+    variants = (TRIM_VARIANTS if args.trim_last_block
+                else NORM_VARIANTS if args.norm else SCALAR_VARIANTS if args.scalars else GEMM_VARIANTS if args.gemm
                 else QK_BOUND_VARIANTS if args.qk_bound else TEXT_VARIANTS if args.text
                 else RESIDUAL_VARIANTS if args.residual else GELU_GEMM_VARIANTS if args.gelu_gemm
                 else V_GEMM_VARIANTS if args.v_gemm else QK_KERNEL_VARIANTS if args.qk_kernel
@@ -256,6 +268,7 @@ def main() -> int:
     shipped_gelu_gemm, shipped_v_gemm = mlp.FUSED_GELU_GEMM, fp8_attention.JOINT_V_GEMM
     v_gemm_module = v_gemm
     shipped_norms_from_codes = norm_quant.NORMS_FROM_CODES
+    shipped_trim = ff.TRIM_LAST_BLOCK
     from qwen_edit_hopper.qwen_edit.fast import block as fast_block
 
     shipped_uses_gelu_gemm = fast_block.uses_gelu_gemm
@@ -310,9 +323,10 @@ def main() -> int:
         scale_o_slot = shipped_scale_o_slot if len(extra) < 12 or extra[11] is SHIPPED else extra[11]
         text_gelu_gemm = True if len(extra) < 13 or extra[12] is SHIPPED else extra[12]
         norms_from_codes = shipped_norms_from_codes if len(extra) < 14 or extra[13] is SHIPPED else extra[13]
+        trim = shipped_trim if len(extra) < 15 or extra[14] is SHIPPED else extra[14]
         signature = (fused, graphed, small_m, rows, scalars, gemm, qk_bound, use_fused, split_k, sites, gelu_gemm,
                      v_gemm, qk_op, text_out_small_m, norm_warps, modulation_before, scale_o_slot, text_gelu_gemm,
-                     norms_from_codes)
+                     norms_from_codes, trim)
 
         def call():
             if current[0] != signature:  # not in a graph's signature
@@ -342,6 +356,7 @@ def main() -> int:
             small_m_gemm.ENABLED = small_m
             norm_quant.DEFAULT_ROWS = shipped_rows if rows is SHIPPED else rows
             norm_quant.DEFAULT_WARPS = norm_warps
+            ff.TRIM_LAST_BLOCK = trim  # read by fast_model_fn on each call (not in a CUDA graph's signature)
             fp8_attention.V_KERNEL_SCALARS = shipped_scalars if scalars is SHIPPED else scalars
             if graphed:
                 graphs.enable_cuda_graphs(module)

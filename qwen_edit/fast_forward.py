@@ -22,7 +22,10 @@ What differs from DiffSynth (none of it changes the function; tests/unit/test_fa
   lengths per mask tensor (or given as ``txt_seq_lens``);
 * with fp8 modulation weights on a GPU (unless ``QWEN_EDIT_FUSED_MODULATION=0``), all blocks' ``img_mod`` /
   ``txt_mod`` linears run before the first block in two launches (:mod:`.fast.modulation`);
-* ``norm_out`` / ``proj_out`` run on the target image tokens only (DiffSynth computes all, then slices);
+* ``norm_out`` / ``proj_out`` run on the target image tokens only (DiffSynth computes all, then slices), and
+  so does the last block after its attention: its output projection and MLP for the reference tokens, its
+  attention's other query rows (cuDNN FP8 attention) and its text stream after the attention are not computed
+  (:data:`TRIM_LAST_BLOCK`);
 * the final unpatchify keeps the batch (DiffSynth's fixes B = 1).
 
 Not supported (raises NotImplementedError): entity prompts, blockwise ControlNet, layered models
@@ -33,6 +36,7 @@ attention flag (use ``attention_backend="triton_fp8"``).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 
 import torch
@@ -62,6 +66,11 @@ logger = logging.getLogger(__name__)
 TEXT_PADDING_MODES = ("split", "mask")
 """``split``: per-sample attention over the valid keys (every backend, exact); ``mask``: one SDPA call with
 a boolean key mask (SDPA backends only, no host-side lengths needed)."""
+
+TRIM_LAST_BLOCK = os.environ.get("QWEN_EDIT_TRIM_LAST_BLOCK", "1") != "0"
+"""The last block computes, after its attention, only what the output reads: the target image tokens (not the
+reference tokens, not the text stream); ``fast_block``'s ``target``. Exact. ``QWEN_EDIT_TRIM_LAST_BLOCK=0`` runs it
+whole (the benchmark times both). Under ``torch.compile`` the last block is a second graph of the block function."""
 
 _UNSUPPORTED = ("blockwise_controlnet_conditioning", "entity_prompt_emb", "layer_num", "layer_input_latents",
                 "context_latents", "kv_cache")
@@ -245,11 +254,15 @@ def _forward(dit: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor
         mark_sequence_dynamic((cos, 0), (sin, 0), (selector, 1), (key_mask, 3),
                               *((c, 0) for c in carriers or ()))
     mods = block_modulations(dit, temb_img, temb_txt)
+    last = len(dit.transformer_blocks) - 1
+    target = torch.empty((target_tokens, 0), device=device) if TRIM_LAST_BLOCK else None
+    if mark:
+        mark_sequence_dynamic((target, 0))
     for i, block in enumerate(dit.transformer_blocks):
         if mark:
             mark_sequence_dynamic((image, 1), (text, 1))
         image, text = block_fn(block, image, text, temb_img, temb_txt, cos, sin, selector, carriers, key_mask,
-                               attention_backend, None if mods is None else mods[i])
+                               attention_backend, None if mods is None else mods[i], target if i == last else None)
 
     out_cond = conditioning[: conditioning.shape[0] // 2] if zero_cond_t else conditioning
     image = dit.proj_out(dit.norm_out(image[:, :target_tokens], out_cond))

@@ -339,7 +339,8 @@ def _define_cudnn_fp8_op():
         scale_o: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``seq_len_kv``: (B,) int32 keys per sample (cuDNN's padding mask), or empty for no padding;
-        ``scale_o``: 1 / descale_v (1, 1, 1, 1) float32, or None to compute it here."""
+        ``scale_o``: 1 / descale_v (1, 1, 1, 1) float32, or None to compute it here. k8 / v8 may hold more tokens
+        than q8 (the first queries of a longer sequence)."""
         from .cudnn_fp8 import run_kernel
 
         ok, reason = check_backend("cudnn_fp8", q8.device)

@@ -124,19 +124,20 @@ def _handle(device_index: int):
 
 
 def operation_graph(device_index: int, shape: tuple, q_stride: tuple, k_stride: tuple, v_stride: tuple,
-                    padded: bool):
-    """(graph, ports): the validated cuDNN operation graph for e4m3 q/k/v (B, H, S, D) with these strides,
-    output e4m3 (B, S, H, D) memory, before any execution plan. ``padded``: per-sample query / key lengths
-    (int32 (B, 1, 1, 1)) through cuDNN's padding mask. Ports: q, k, v, the six scales, o [, seq_len_q,
-    seq_len_kv]. The amax of P and of O, which ``sdpa_fp8`` also defines, are described but not outputs:
-    nothing reads them (H200: same kernel, same output, 1.028 vs 1.031 ms alone)."""
+                    padded: bool, kv_tokens: int | None = None):
+    """(graph, ports): the validated cuDNN operation graph for e4m3 q (B, H, S, D) and k/v (B, H, S_kv, D) with these
+    strides (``kv_tokens`` S_kv, default S), output e4m3 (B, S, H, D) memory, before any execution plan.
+    ``padded``: per-sample query / key lengths (int32 (B, 1, 1, 1)) through cuDNN's padding mask. Ports: q, k, v,
+    the six scales, o [, seq_len_q, seq_len_kv]. The amax of P and of O, which ``sdpa_fp8`` also defines, are
+    described but not outputs: nothing reads them (H200: same kernel, same output, 1.028 vs 1.031 ms alone)."""
     cudnn = importlib.import_module("cudnn")
     e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
     handle = _handle(device_index)
     graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+    kv_shape = list(shape) if kv_tokens is None else [shape[0], shape[1], kv_tokens, shape[3]]
     q, k, v = (
-        graph.tensor(name=n, dim=list(shape), stride=list(st), data_type=e4m3)
-        for n, st in (("q", q_stride), ("k", k_stride), ("v", v_stride))
+        graph.tensor(name=n, dim=dims, stride=list(st), data_type=e4m3)
+        for n, dims, st in (("q", list(shape), q_stride), ("k", kv_shape, k_stride), ("v", kv_shape, v_stride))
     )
     scalars = [
         graph.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
@@ -161,12 +162,12 @@ def operation_graph(device_index: int, shape: tuple, q_stride: tuple, k_stride: 
 
 
 @functools.lru_cache(maxsize=_GRAPH_CACHE_SIZE)
-def _graph(device_index: int, shape: tuple, q_stride: tuple, k_stride: tuple, v_stride: tuple):
+def _graph(device_index: int, shape: tuple, q_stride: tuple, k_stride: tuple, v_stride: tuple, kv_tokens: int):
     """(graph, ports, workspace bytes): the padding-mask :func:`operation_graph` with cuDNN's heuristic first
     plan built. Always the padding-mask graph: cuDNN runs it faster than the unmasked one at the DiT's shape
     (H200, S = 8492: 0.98 vs 1.10 ms at B = 1, 1.85 vs 2.12 ms at B = 2; same output)."""
     cudnn = importlib.import_module("cudnn")
-    graph, ports = operation_graph(device_index, shape, q_stride, k_stride, v_stride, True)
+    graph, ports = operation_graph(device_index, shape, q_stride, k_stride, v_stride, True, kv_tokens)
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     graph.build_plans()
@@ -200,9 +201,10 @@ def run_kernel(
     """The cuDNN kernel on e4m3 (B, H, S, D) inputs -> e4m3 (B, S, H, D), in units of ``descale_v``.
 
     The output equals attention(q, k, v) / descale_v (``scale_o = 1 / descale_v``), so
-    ``out.float() * descale_v`` is the attention output. ``seq_len_kv`` (B,) int32: sample i attends to its
-    first ``seq_len_kv[i]`` keys only (right padding); every query row is computed. ``scale_o``: 1 / descale_v
-    as a (1, 1, 1, 1) float32 tensor when the caller has it (``fp8.v_quant`` writes it), else computed here.
+    ``out.float() * descale_v`` is the attention output. k8 and v8 may hold more tokens than q8 (S_kv >= S: the
+    first S queries of a longer sequence). ``seq_len_kv`` (B,) int32: sample i attends to its first
+    ``seq_len_kv[i]`` keys only (right padding); every query row is computed. ``scale_o``: 1 / descale_v as a
+    (1, 1, 1, 1) float32 tensor when the caller has it (``fp8.v_quant`` writes it), else computed here.
     Runs on the current CUDA stream (CUDA-graph capturable). Raises cuDNN's own error when it cannot run the
     shape.
     """
@@ -212,7 +214,7 @@ def run_kernel(
     cudnn = importlib.import_module("cudnn")
     index = q8.device.index
     graph, ports, workspace_size = _graph(index, tuple(q8.shape), tuple(q8.stride()), tuple(k8.stride()),
-                                          tuple(v8.stride()))  # fmt: skip
+                                          tuple(v8.stride()), k8.shape[2])  # fmt: skip
     b, h, s, d = q8.shape
     out = torch.empty((b, s, h, d), dtype=torch.float8_e4m3fn, device=q8.device)
     workspace = torch.empty(max(workspace_size, 1), dtype=torch.uint8, device=q8.device)
@@ -220,9 +222,9 @@ def run_kernel(
     if scale_o is None:
         scale_o = descale_v.reciprocal()
     tensors = [q8, k8, v8, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, out.transpose(1, 2)]
-    full = _full_lengths(index, b, s)
-    keys = full if seq_len_kv is None else seq_len_kv.to(torch.int32).reshape(b, 1, 1, 1).contiguous()
-    tensors += [full, keys]
+    keys = (_full_lengths(index, b, k8.shape[2]) if seq_len_kv is None
+            else seq_len_kv.to(torch.int32).reshape(b, 1, 1, 1).contiguous())
+    tensors += [_full_lengths(index, b, s), keys]
     handle = _handle(index)
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q8.device).cuda_stream)
     graph.execute(dict(zip(ports, tensors, strict=True)), workspace, handle=handle)
@@ -238,15 +240,15 @@ def reference_kernel(
     descale_v: torch.Tensor,
     seq_len_kv: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """What :func:`run_kernel` computes, in fp32 torch ops on any device: e4m3 (B, H, S, D) inputs ->
-    e4m3 (B, S, H, D) in units of ``descale_v``.
+    """What :func:`run_kernel` computes, in fp32 torch ops on any device: e4m3 q (B, H, S, D), k / v (B, H, S_kv, D)
+    -> e4m3 (B, S, H, D) in units of ``descale_v``.
 
     Mirrors cuDNN's numerics up to its blocking: fp32 scores, P = exp(s - rowmax) in [0, 1] rounded to
     e4m3 after scaling by 448, P V with fp32 accumulation, division by the fp32 row sum, output scaled by
     1 / descale_v and rounded to e4m3 (cuDNN rounds P against a running per-block max, so codes can differ).
     For CPU machines (``cudnn_fp8_emulated``) and for checking the kernel; materializes (S, S) per head.
     """
-    b, h, s, d = q8.shape
+    b, h, _, d = q8.shape
     scale = d**-0.5
     samples = []
     for bi in range(b):
@@ -256,7 +258,7 @@ def reference_kernel(
             k = k8[bi, hi].float() * descale_k.reshape(())
             scores = (q @ k.T) * scale
             if seq_len_kv is not None:
-                padding = torch.arange(s, device=scores.device) >= seq_len_kv[bi]
+                padding = torch.arange(k.shape[0], device=scores.device) >= seq_len_kv[bi]
                 scores = scores.masked_fill(padding, float("-inf"))
             p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
             p8 = (p * E4M3_MAX).to(torch.float8_e4m3fn).float() / E4M3_MAX
@@ -281,8 +283,9 @@ def attention_quantized(
     ``descale_v`` (the attention output is ``out.float() * descale_v``). The cuDNN kernel is the custom op
     ``torch.ops.qwen_edit_hopper.cudnn_fp8_attention``, so ``torch.compile`` traces around it; ``emulate``
     runs :func:`reference_kernel` instead (no GPU needed, no speed). ``seq_len_kv`` (B,) int: keys per
-    sample (right padding; every query row is still computed). ``scale_o``: 1 / descale_v, (1, 1, 1, 1)
-    float32, when the caller has it (see :func:`run_kernel`)."""
+    sample (right padding; every query row is still computed). k8 / v8 may hold more tokens than q8 (the first
+    queries of a longer sequence). ``scale_o``: 1 / descale_v, (1, 1, 1, 1) float32, when the caller has it (see
+    :func:`run_kernel`)."""
     if emulate:
         out8 = reference_kernel(q8, k8, v8, descale_q, descale_k, descale_v, seq_len_kv)
     else:

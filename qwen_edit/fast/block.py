@@ -215,6 +215,7 @@ def fast_block(
     key_mask: torch.Tensor | None,
     backend: str,
     mods: tuple[torch.Tensor, torch.Tensor] | None = None,
+    target: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One ``QwenImageTransformerBlock`` forward; returns ``(image, text)`` (DiffSynth returns ``(text, image)``).
 
@@ -235,9 +236,13 @@ def fast_block(
         backend: attention backend name (``fp8.attention.BACKENDS``).
         mods: None, or this block's ``(img_mod.1(temb_img), txt_mod.1(temb_txt))`` computed beforehand
             (:func:`.modulation.block_modulations`), (rows, 6 * D) each.
+        target: None, or for the last block a (T, 0) size carrier (:func:`length_carriers`): the forward reads
+            only the first T image tokens of each sample (the target image) after this block, so only those go
+            through the output projection and the MLP, the cuDNN FP8 attention computes only their query rows,
+            and the text stream is returned as it came in (nothing reads it). Exact for the rows returned.
 
     Returns:
-        ``(image, text)`` with the input shapes and dtypes.
+        ``(image, text)`` with the input shapes and dtypes; with ``target``, image (B, T, D) and the input text.
     """
     attn = block.attn
     dim = image.shape[-1]
@@ -270,7 +275,7 @@ def fast_block(
         fp8_out = takes_prequantized(attn.to_out[0]) and takes_prequantized(attn.to_add_out)
         out = cudnn_fp8_joint_attention(attn, (q_i, q_t), (k_i, k_t), (v_i[0], v_t), cos, sin, txt_lens, fp8_out,
                                         backend == "cudnn_fp8_emulated", (bq_i, bq_t), (bk_i, bk_t), (bv_i[0], bv_t),
-                                        v_joint)
+                                        v_joint, target)
     else:
         q_i, k_i, v_i = _qkv(attn, img_qkv, img_x)
         q_t, k_t, v_t = _qkv(attn, txt_qkv, txt_x)
@@ -282,12 +287,19 @@ def fast_block(
                        qk_norm_rope(k_t, attn.norm_added_k.weight, attn.norm_added_k.eps, cos_t, sin_t)], dim=1)
         out = joint_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), si, txt_lens, key_mask,
                               backend)
-    img_attn, txt_attn = split_output(out, si)
+    kept = None if target is None else target.shape[0]
+    img_attn, txt_attn = split_output(out, si, kept)
+    if kept is not None:  # the last block: only the target tokens' image stream is read after it
+        image = image[:, :kept].contiguous()
+        if selector is not None:
+            img_p, selector = tuple(p[:, :kept] for p in img_p), selector[:, :kept]
 
     image, img_in = residual_then_modulated(image, img_p[2], attn.to_out[0], img_attn, block.img_norm2.eps,
                                             img_mod, (2, 3, 4), img_p[3], img_p[4], selector,
                                             mlp_takes_prequantized(block.img_mlp, image),
                                             uses_gelu_gemm(block.img_mlp, image))
+    if kept is not None:
+        return mlp_residual(block.img_mlp, img_in, image, img_p[5]), text
     text, txt_in = residual_then_modulated(text, txt_p[2], attn.to_add_out, txt_attn, block.txt_norm2.eps,
                                            txt_mod, (2, 3, 4), txt_p[3], txt_p[4], None,
                                            mlp_takes_prequantized(block.txt_mlp, text),

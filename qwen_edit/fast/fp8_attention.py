@@ -144,6 +144,7 @@ def cudnn_fp8_joint_attention(
     k_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     v_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     v_joint: JointV | None = None,
+    query_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor | Fp8AttentionOutput:
     """Attention over the joint sequence; (B, S, H * Dh) bf16, or :class:`Fp8AttentionOutput` when
     ``fp8_output``. With ``txt_lens`` (right-padded text, :func:`.block.length_carriers`) one batched call
@@ -156,7 +157,10 @@ def cudnn_fp8_joint_attention(
     cos, sin: (S, Dh // 2) float32 RoPE tables. ``emulate``: the kernel's fp32 mirror instead of cuDNN
     (backend ``cudnn_fp8_emulated``). q_biases, k_biases, v_biases: (image, text) (H, Dh) projection biases
     that the parts do not include yet, or None. v_joint: the joint e4m3 v already made
-    (:func:`...fp8.v_gemm.joint_v_gemm`); ``v_parts`` and ``v_biases`` are then not read.
+    (:func:`...fp8.v_gemm.joint_v_gemm`); ``v_parts`` and ``v_biases`` are then not read. query_tokens: None, or
+    a (T, 0) size carrier: only each sample's first T query rows are computed (cuDNN gets q's first T rows and
+    every key), for a caller that reads only those; the output then holds T rows per sample. (cuDNN's padding mask
+    on the queries instead gained less: docs/benchmarks.md, eighteenth session.)
     """
     image_tokens = q_parts[0].shape[1]
     q_img = q_parts[0]
@@ -182,26 +186,41 @@ def cudnn_fp8_joint_attention(
         # device fills, not torch.tensor(list): no host-to-device copy, so a CUDA graph can capture it
         lengths = torch.cat([torch.full((1,), image_tokens + c.shape[0], dtype=torch.int32, device=q_img.device)
                              for c in txt_lens])  # fmt: skip
+    if query_tokens is not None:  # the first T query rows against every key
+        q8 = q8[:, :, : query_tokens.shape[0]]
     out8 = attention_quantized(q8, k8, v8, dq, dk, dv, emulate, lengths, scale_o)
     if fp8_output:
         return Fp8AttentionOutput(out8, dv.reshape(1, 1), row_scales)
     return (out8.float() * dv.reshape(1, 1)).to(q_img.dtype)
 
 
-def split_output(out: torch.Tensor | Fp8AttentionOutput, image_tokens: int
-                 ) -> tuple[torch.Tensor | Prequantized, torch.Tensor | Prequantized]:
+def _token_rows(out: Fp8AttentionOutput, first: int, stop: int, row_scale: torch.Tensor | None) -> Prequantized:
+    """Tokens [first, stop) of each sample of ``out`` as a :class:`Prequantized` ((B * n, K) e4m3 and row scales)."""
+    o8 = out.out8
+    b, _, width = o8.shape
+    rows = o8[:, first:stop]
+    n = rows.shape[1]
+    if row_scale is None:
+        scale = out.descale.expand(b * n, 1).contiguous()
+    else:  # every row scale holds the one descale: the first b * n of them serve any b * n rows
+        scale = row_scale if row_scale.shape[0] == b * n else row_scale[: b * n]
+    return Prequantized(rows.reshape(b * n, width), scale, b, n)
+
+
+def split_output(out: torch.Tensor | Fp8AttentionOutput, image_tokens: int, image_kept: int | None = None
+                 ) -> tuple[torch.Tensor | Prequantized, torch.Tensor | Prequantized | None]:
     """The image rows and the text rows of the joint attention output, as the output projections' inputs.
 
     bf16 (B, S, K) -> two views. :class:`Fp8AttentionOutput` -> two :class:`Prequantized` (rows, K) e4m3
-    with the per-tensor descale repeated as a (rows, 1) row-wise scale.
+    with the per-tensor descale repeated as a (rows, 1) row-wise scale. ``image_kept`` (the last block): only each
+    sample's first ``image_kept`` tokens, which ``out`` may hold alone (attention for those query rows only), and
+    None for the text rows.
     """
+    kept = image_tokens if image_kept is None else image_kept
     if not isinstance(out, Fp8AttentionOutput):
-        return out[:, :image_tokens], out[:, image_tokens:]
-    o8 = out.out8
-    b, _, width = o8.shape
-    parts = []
-    for i, rows in enumerate((o8[:, :image_tokens], o8[:, image_tokens:])):
-        n = rows.shape[1]
-        scale = out.descale.expand(b * n, 1).contiguous() if out.row_scales is None else out.row_scales[i]
-        parts.append(Prequantized(rows.reshape(b * n, width), scale, b, n))
-    return parts[0], parts[1]
+        return out[:, :kept], (None if image_kept is not None else out[:, image_tokens:])
+    scales = out.row_scales or (None, None)
+    image = _token_rows(out, 0, kept, scales[0])
+    if image_kept is not None:
+        return image, None
+    return image, _token_rows(out, image_tokens, out.out8.shape[1], scales[1])

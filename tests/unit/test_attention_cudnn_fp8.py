@@ -111,6 +111,35 @@ def test_split_output_takes_the_row_scales_the_v_kernel_wrote():
     assert img.x8.shape == (b * si, width) and txt.x8.shape == (b * (s - si), width)
 
 
+@pytest.mark.parametrize("with_row_scales", [False, True], ids=["descale", "row-scales"])
+def test_split_output_keeps_the_first_image_tokens_only(with_row_scales):
+    """The last block: the image part holds each sample's first ``image_kept`` tokens (from an output of all S rows,
+    or of those rows alone), the text part is None."""
+    b, s, width, si, kept = 2, 10, 32, 6, 4
+    rows = (torch.full((b * si, 1), 0.5), torch.full((b * (s - si), 1), 0.5)) if with_row_scales else None
+    for out8 in ((torch.randn(b, s, width) * 100).to(torch.float8_e4m3fn),
+                 (torch.randn(b, kept, width) * 100).to(torch.float8_e4m3fn)):
+        img, txt = split_output(Fp8AttentionOutput(out8, torch.tensor([[0.5]]), rows), si, kept)
+        assert txt is None and (img.batch, img.tokens) == (b, kept)
+        assert img.scale.shape == (b * kept, 1) and (img.scale == 0.5).all()
+        assert torch.equal(img.x8.view(torch.uint8).reshape(b, kept, width), out8[:, :kept].view(torch.uint8))
+    plain = torch.randn(b, s, width)
+    a, t = split_output(plain, si, kept)
+    assert t is None and torch.equal(a, plain[:, :kept])
+
+
+def test_mirror_for_the_first_query_rows_against_every_key():
+    """q's first rows against all keys (the last block's attention) give the whole call's first rows, padded keys
+    included."""
+    q, k, v = _qkv(b=2, s=64, seed=5)
+    (q8, dq), (k8, dk), (v8, dv) = cf.quantize_per_tensor(q), cf.quantize_per_tensor(k), cf.quantize_per_tensor(v)
+    keys = torch.tensor([64, 50])
+    whole = cf.attention_quantized(q8, k8, v8, dq, dk, dv, emulate=True, seq_len_kv=keys)
+    first = cf.attention_quantized(q8[:, :, :24], k8, v8, dq, dk, dv, emulate=True, seq_len_kv=keys)
+    assert first.shape == (2, 24, whole.shape[-1])
+    assert torch.equal(first.view(torch.uint8), whole[:, :24].view(torch.uint8))
+
+
 def test_block_path_with_the_mirror_batch1_and_batch2():
     """fast_model_fn with cudnn_fp8_emulated: the block's static q/k scales and v's per-tensor scale."""
     dit = build_dit(torch.bfloat16)

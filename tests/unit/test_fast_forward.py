@@ -328,3 +328,33 @@ def test_rejects_what_it_does_not_support():
         fast_model_fn(dit, **{**x, "height": 64})
     # Arguments that do not change the result are accepted, as model_fn_qwen_image accepts them.
     fast_model_fn(dit, **x, progress_id=3, num_inference_steps=40, use_gradient_checkpointing=False)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "cudnn_fp8_emulated"])
+@pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
+def test_last_block_computes_only_the_target_tokens(monkeypatch, backend, zero_cond_t):
+    """After its attention the last block runs the output projection on the target tokens only (not the reference
+    tokens) and skips the text stream; every other block runs whole; the output is what the whole block gives."""
+    from qwen_edit_hopper.qwen_edit import fast_forward
+
+    dit = _dit(torch.bfloat16)
+    x = make_inputs(torch.bfloat16)  # 8 x 8 = 64 target tokens, 6 x 6 = 36 reference tokens
+    seen: list[tuple[int, str, int]] = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args, i=i, name=name: seen.append((i, name, args[0].shape[1])))
+             for i, block in enumerate(dit.transformer_blocks)
+             for name, layer in (("image", block.attn.to_out[0]), ("text", block.attn.to_add_out))]
+    outputs = {}
+    try:
+        for trim in (False, True):
+            monkeypatch.setattr(fast_forward, "TRIM_LAST_BLOCK", trim)
+            seen.clear()
+            outputs[trim] = fast_model_fn(dit, **x, zero_cond_t=zero_cond_t, attention_backend=backend)
+            outputs[trim, "rows"] = list(seen)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    last = len(dit.transformer_blocks) - 1
+    whole = [(i, name, 100 if name == "image" else 13) for i in range(last + 1) for name in ("image", "text")]
+    assert outputs[False, "rows"] == whole
+    assert outputs[True, "rows"] == [row for row in whole if row[0] < last] + [(last, "image", 64)]
+    assert rel(outputs[True], outputs[False]) < 1e-3, rel(outputs[True], outputs[False])

@@ -1,4 +1,5 @@
-"""The fast forward under torch.compile on CPU: no graph breaks in a block, one graph for all blocks, no recompiles.
+"""The fast forward under torch.compile on CPU: no graph breaks in a block, one graph for all blocks but the last
+(which computes only the target tokens after its attention: a second graph), no recompiles.
 
 Graph breaks are checked with ``torch._dynamo.explain`` (no code generation). Recompiles are counted
 with a backend that counts the graphs dynamo hands it; one Inductor compile (CPU C++) checks that the
@@ -89,32 +90,35 @@ def test_block_has_no_graph_breaks(monkeypatch, fuse, fp8, batch2, zero_cond_t, 
     assert explained.graph_count == 1
 
 
-def test_one_graph_for_all_blocks_and_no_recompile_for_new_shapes_or_weights():
+@pytest.mark.parametrize("trim_last_block", [True, False], ids=["last-block-trimmed", "last-block-whole"])
+def test_one_graph_for_all_blocks_and_no_recompile_for_new_shapes_or_weights(monkeypatch, trim_last_block):
+    monkeypatch.setattr(fast_forward, "TRIM_LAST_BLOCK", trim_last_block)
+    per_batch = 2 if trim_last_block else 1  # blocks 0..n-2, and the last block's target-only graph
     dit = build_dit(torch.bfloat16, layers=4)
     counter = CountingBackend()
     compile_blocks(dit, backend=counter)
     first = make_inputs(torch.bfloat16)
     fast_model_fn(dit, **first)
-    assert counter.graphs == 1  # 4 blocks, one graph: parameters are inputs, not constants
-    # Another resolution, another reference size, another text length: same graph (sequence dims dynamic).
+    assert counter.graphs == per_batch  # 4 blocks: parameters are inputs, not constants
+    # Another resolution, another reference size, another text length: same graphs (sequence dims dynamic).
     second = make_inputs(torch.bfloat16, latent=(8, 12), refs=((16, 8),), text_tokens=21, seed=5)
     fast_model_fn(dit, **second)
-    assert counter.graphs == 1, counter.graphs
+    assert counter.graphs == per_batch, counter.graphs
     # Weights changed in place (a LoRA strength): no recompile, and the output follows the weights.
     before = fast_model_fn(dit, **first)
     with torch.no_grad():
         dit.transformer_blocks[1].attn.to_v.weight.mul_(1.5)
     after = fast_model_fn(dit, **first)
-    assert counter.graphs == 1
+    assert counter.graphs == per_batch
     assert rel(after, before) > 1e-3
-    # Batch 2 with prompts of different lengths: one more graph (the batch size is static), then none for
+    # Batch 2 with prompts of different lengths: more graphs (the batch size is static), then none for
     # other lengths (they are tensor sizes marked dynamic, not ints), resolutions or numbers of references.
     fast_model_fn(dit, **_batch2(first))
-    assert counter.graphs == 2, counter.graphs
+    assert counter.graphs == 2 * per_batch, counter.graphs
     fast_model_fn(dit, **_batch2(second, other_tokens=9))
     third = make_inputs(torch.bfloat16, latent=(12, 12), refs=((12, 8), (8, 8)), text_tokens=15, seed=6)
     fast_model_fn(dit, **_batch2(third, other_tokens=4))
-    assert counter.graphs == 2, counter.graphs
+    assert counter.graphs == 2 * per_batch, counter.graphs
 
 
 def test_inductor_compiled_forward_matches_eager():
