@@ -22,7 +22,8 @@ class CompileModel(io.ComfyNode):
             node_id="QwenEditHopper_Compile",
             display_name="Compile Model (Qwen Edit)",
             category=CATEGORY,
-            description="Compiles the transformer block once for all 60 blocks (torch.compile, Inductor). Weights "
+            description="Compiles the transformer block once for all 60 blocks (torch.compile, Inductor; the last "
+            "block, which computes only the target image after its attention, is a second graph). Weights "
             "are graph inputs, so LoRA or strength changes never recompile; PyTorch's compile caches make a "
             "restart's first compile fast. Works on top of every FP8 backend (Transformer Engine layers run eager).",
             inputs=[

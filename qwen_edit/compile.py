@@ -1,8 +1,9 @@
 """Regional compilation of the DiT's transformer blocks.
 
 One ``torch.compile`` of the fast forward's block function serves all 60
-blocks (parameters are graph inputs, not constants), so compile time is one
-block's, and changing weights in place (a LoRA, its strength) never
+blocks (parameters are graph inputs, not constants; the last block, which
+computes only the target tokens after its attention, is a second graph of
+it), so compile time is about two blocks', and changing weights in place (a LoRA, its strength) never
 recompiles. Switching a module between eager and compiled (the Benchmark
 does) costs nothing after the first time: compiled graphs live in dynamo's
 cache. PyTorch's own caches (Inductor's FX graph cache and AOTAutograd

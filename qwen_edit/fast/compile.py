@@ -4,7 +4,8 @@ The fast forward calls ``fast_block(block, ...)`` with the block module as an ar
 calling ``block(...)``, so compiling ``block._call_impl`` (``qwen_edit.compile``) does not apply to
 it. :func:`compile_blocks` registers a compiled ``fast_block`` for a model instead. Dynamo inlines
 the block module (``inline_inbuilt_nn_modules``, on by default since PyTorch 2.5): its parameters
-and buffers are graph inputs, so one compiled graph serves all 60 blocks (same structure), and
+and buffers are graph inputs, so one compiled graph serves the first 59 blocks (same structure), a second one the
+last block (which computes only the target tokens after its attention: ``fast_forward.TRIM_LAST_BLOCK``), and
 changing weights in place (a LoRA strength) never recompiles.
 
 Shapes: with ``dynamic=None`` (default) the sequence dims (image tokens, text tokens) are marked
