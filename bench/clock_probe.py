@@ -11,7 +11,9 @@ few seconds each, marked by wall-clock time:
 2. the QK kernel alone, back to back at the full-size shape (batch 1);
 3. the fastest preset's forward (row-wise fp8, fast accumulation, fused kernels, compiled blocks,
    ``cudnn_fp8`` attention), batch 1, back to back;
-4. the same forward with a 50 ms sleep after each (the GPU cools between forwards, as in a slow pipeline).
+4. the same forward with a 50 ms sleep after each (the GPU cools between forwards, as in a slow pipeline);
+5. the batch-2 forward of a true-CFG step (cond + uncond), back to back (eighteenth session: are batch 2's kernels
+   slower than twice batch 1's because the clocks are lower?).
 
 Per phase: samples, median and minimum SM clock, median memory clock, median and maximum power. Also
 the forward's time per call in phases 3 and 4 (CUDA events). Not yet run (written in the seventh session,
@@ -94,12 +96,16 @@ def main() -> int:
     def forward():
         return hm.fast_forward(ff, module, inputs, attention="cudnn_fp8")
 
+    def cfg_forward():
+        return hm.fast_forward(ff, module, inputs, batch=2, attention="cudnn_fp8")
+
     def qk_kernel():
         return qk_quant_bench.qq.qk_norm_rope_quantize(*qk_args)
 
     with dynamo_settings():
         for _ in range(3):
             forward()
+            cfg_forward()
         qk_kernel()
         torch.cuda.synchronize()
         log = args.out / "nvidia_smi.csv"
@@ -121,6 +127,9 @@ def main() -> int:
                 t0 = time.time()
                 paused_ms = run_for(args.seconds, forward, device, pause_s=0.05)
                 marks["forward, 50 ms pause after each"] = (t0, time.time())
+                t0 = time.time()
+                cfg_ms = run_for(args.seconds, cfg_forward, device)
+                marks["batch-2 forward, back to back"] = (t0, time.time())
             finally:
                 sampler.terminate()
                 sampler.wait(timeout=10)
@@ -130,6 +139,7 @@ def main() -> int:
     phases["QK kernel alone"]["ms_per_call_median"] = statistics.median(qk_ms)
     phases["forward, back to back"]["ms_per_call_median"] = statistics.median(forward_ms)
     phases["forward, 50 ms pause after each"]["ms_per_call_median"] = statistics.median(paused_ms)
+    phases["batch-2 forward, back to back"]["ms_per_call_median"] = statistics.median(cfg_ms)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "phases": phases}
     (args.out / "clock_probe.json").write_text(json.dumps(result, indent=1))
     print(f"\n{'phase':34s} {'n':>5s} {'SM MHz':>7s} {'SM min':>7s} {'mem MHz':>8s} {'W med':>6s} {'W max':>6s} "
