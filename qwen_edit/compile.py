@@ -3,10 +3,10 @@
 One ``torch.compile`` of the fast forward's block function serves all 60
 blocks (parameters are graph inputs, not constants; the last block, which
 computes only the target tokens after its attention, is a second graph of
-it), so compile time is about two blocks', and changing weights in place (a LoRA, its strength) never
-recompiles. Switching a module between eager and compiled (the Benchmark
-does) costs nothing after the first time: compiled graphs live in dynamo's
-cache. PyTorch's own caches (Inductor's FX graph cache and AOTAutograd
+it), so compile time is about two blocks', and changing weights in place
+(a LoRA, its strength) never recompiles. Switching a module between eager
+and compiled (the Benchmark does) costs nothing after the first time:
+compiled graphs live in dynamo's cache. PyTorch's own caches (Inductor's FX graph cache and AOTAutograd
 cache, on by default) make a restart's first compile fast.
 """
 
