@@ -129,7 +129,6 @@ def measure_residual(device: torch.device, rows: int = 8192, cols: int = 3072,
                                                          "GB/s": round(rows * cols * 6 / ms / 1e6, 1),
                                                          "same_codes": float("nan")}
     return results
-    return _time_candidates(candidates, device, bytes_moved, ref8)
 
 
 def print_table(results: dict, title: str = "GELU+quantize 8192x12288") -> None:
