@@ -255,7 +255,7 @@ def _forward(dit: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor
                               *((c, 0) for c in carriers or ()))
     mods = block_modulations(dit, temb_img, temb_txt)
     last = len(dit.transformer_blocks) - 1
-    target = torch.empty((target_tokens, 0), device=device) if TRIM_LAST_BLOCK else None
+    target = length_carriers((target_tokens,), device)[0] if TRIM_LAST_BLOCK else None
     if mark:
         mark_sequence_dynamic((target, 0))
     for i, block in enumerate(dit.transformer_blocks):
