@@ -6,8 +6,9 @@ computes only the target tokens after its attention, is a second graph of
 it), so compile time is about two blocks', and changing weights in place
 (a LoRA, its strength) never recompiles. Switching a module between eager
 and compiled (the Benchmark does) costs nothing after the first time:
-compiled graphs live in dynamo's cache. PyTorch's own caches (Inductor's FX graph cache and AOTAutograd
-cache, on by default) make a restart's first compile fast.
+compiled graphs live in dynamo's cache. PyTorch's own caches (Inductor's
+FX graph cache and AOTAutograd cache, on by default) make a restart's first
+compile fast.
 """
 
 from __future__ import annotations
