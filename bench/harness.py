@@ -230,7 +230,7 @@ def run(args: argparse.Namespace, device: torch.device, runner: core.Runner) -> 
         e2e = harness_e2e.E2EContext(device, torch.bfloat16, size, runner, ctx,
                                      resolution=64 if tiny else 1024,
                                      steps=args.e2e_steps or (2 if tiny else 40),
-                                     lightning_steps=2 if tiny else 4, warmup_steps=1 if tiny else 2,
+                                     lightning_steps=2 if tiny else 4, warmup_steps=2,
                                      fastest=args.fastest, no_compile=args.no_compile, compile_choice=choice)
         harness_e2e.run_e2e(e2e)
     ctx.release()

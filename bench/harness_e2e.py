@@ -5,12 +5,9 @@ encoder 8.3 B with its vision tower, VAE) and handed to the runtime instead of f
 relies on in ``qwen_edit/runtime.py`` (checked at run time; a change fails loudly, see
 :func:`inject_components`):
 
-* ``PlanRuntime._resident(key, label, build, nbytes_hint)`` caches ``build()``'s module under
-  ``key`` and returns the same ``Resident`` for that key afterwards without calling ``build``.
-* The keys its getters look up: ``("text_encoder", files_identity(files.text_encoder))``,
-  ``("vae", files_identity(files.vae))``, ``("dit", files_identity(files.dit))`` and, for an FP8
-  plan, ``variants_dit.fp8_variant_key(base_key, active_loras, plan.fp8)``.
-  ``files_identity`` stats the files, so each slot names a small placeholder file that exists.
+* ``PlanRuntime.adopt(key, module, label)`` holds a built module under the key its getters look up
+  (``runtime.dit_key`` / ``text_encoder_key`` / ``vae_key``); ``files_identity`` stats the files, so
+  each slot names a small placeholder file that exists.
 * ``runtime.processor(plan)`` builds the Qwen2-VL processor from ``comfy_tokenizer_dir`` (ComfyUI's
   ``comfy/text_encoders/qwen25_tokenizer``) when the plan's files have no processor/tokenizer folder.
 * ``runtime.use(residents)`` is called before each stage (text encoder, VAE encode, DiT, VAE decode):
@@ -149,58 +146,30 @@ def placeholder_files(folder: Path):
     return ModelFiles(layout=LAYOUT_SINGLE_FILES, **paths)
 
 
-def component_keys(files) -> dict[str, tuple]:
-    """The cache keys ``PlanRuntime``'s getters use for these files (see the module docstring)."""
-    from qwen_edit_hopper.qwen_edit.runtime import files_identity
-
-    return {"dit": ("dit", files_identity(files.dit)), "text_encoder": ("text_encoder",
-            files_identity(files.text_encoder)), "vae": ("vae", files_identity(files.vae))}
-
-
 def inject_components(runtime, plan, *, dit: torch.nn.Module, text_encoder: torch.nn.Module, vae: torch.nn.Module
                       ) -> dict[str, Any]:
-    """Put built modules into the runtime's cache under the keys its getters use; verify the getters
-    return them. Returns the residents by part. Raises RuntimeError when the runtime's keys changed."""
-    keys = component_keys(plan.files)
-    modules = {"dit": dit, "text_encoder": text_encoder, "vae": vae}
-    residents = {part: runtime._resident(keys[part], f"{part} (random weights)", lambda m=modules[part]: m)
-                 for part in modules}
-    getters = {"dit": runtime.base_dit, "text_encoder": runtime.text_encoder, "vae": runtime.vae}
-    for part, getter in getters.items():
-        try:
-            got = getter(plan)
-        except Exception as exc:
-            raise RuntimeError(f"PlanRuntime.{getter.__name__} did not find the injected {part} under "
-                               f"{keys[part][0]!r} + files_identity: its cache keys changed ({exc})") from exc
-        if got.module is not modules[part]:
+    """Hand built modules to the runtime (``PlanRuntime.adopt`` under the keys its getters use); verify the
+    getters return them. Returns the residents by part. Raises RuntimeError when they do not."""
+    from qwen_edit_hopper.qwen_edit.runtime import dit_key, text_encoder_key, vae_key
+
+    base = dataclasses.replace(plan, fp8=None, loras=(), compile=None)
+    parts = {"dit": (dit_key(base), dit, runtime.dit), "text_encoder": (text_encoder_key(plan), text_encoder,
+             runtime.text_encoder), "vae": (vae_key(plan), vae, runtime.vae)}
+    residents = {part: runtime.adopt(key, module, f"{part} (random weights)") for part, (key, module, _) in
+                 parts.items()}
+    for part, (_, module, getter) in parts.items():
+        if getter(base).module is not module:
             raise RuntimeError(f"PlanRuntime.{getter.__name__} returned another module than the injected {part}")
     return residents
 
 
-def variant_key(runtime, plan) -> tuple:
-    """``variants_dit.fp8_variant_key`` for ``plan``, its arguments matched by name (base key, LoRAs, config)."""
-    import inspect
-
-    from qwen_edit_hopper.qwen_edit.variants_dit import fp8_variant_key
-
-    base = runtime.base_dit(plan)
-    known = {"base_key": base.key, "fp8_config": plan.fp8, "config": plan.fp8,
-             "loras": tuple(lora for lora in plan.loras if lora.strength != 0)}
-    known["active_loras"] = known["loras"]
-    names = list(inspect.signature(fp8_variant_key).parameters)
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise RuntimeError(f"variants_dit.fp8_variant_key takes {names}; the harness does not know {unknown}")
-    return fp8_variant_key(*(known[n] for n in names))
-
-
 def inject_variant(runtime, plan, module: torch.nn.Module):
     """Put a prebuilt FP8 DiT (e.g. fused QKV) where ``runtime.dit(plan)`` looks for ``plan.fp8``'s variant."""
-    key = variant_key(runtime, plan)
-    resident = runtime._resident(key, f"DiT {plan.short_label()} (prebuilt)", lambda: module)
-    resident.extra.setdefault("lora_chain", ())
+    from qwen_edit_hopper.qwen_edit.runtime import dit_key
+
+    resident = runtime.adopt(dit_key(plan), module, f"DiT {plan.short_label()} (prebuilt)")
     if runtime.dit(plan).module is not module:
-        raise RuntimeError("runtime.dit(plan) did not return the injected FP8 variant: fp8_variant_key changed")
+        raise RuntimeError("runtime.dit(plan) did not return the injected FP8 variant: dit_key changed")
     return resident
 
 
@@ -410,6 +379,12 @@ def _run_variant(ctx, runtime, hooks, base_plan, request, variant, group, why) -
             import harness_forward
 
             inject_variant(runtime, plan, harness_forward.build_fast_qkv_fp8(ctx.forward_ctx))
+        elif plan.fp8 is not None:  # the runtime builds fp8 DiTs from files; these weights live in memory
+            from qwen_edit_hopper.qwen_edit.fp8_dit import build_fp8_dit
+            from qwen_edit_hopper.qwen_edit.runtime import dit_key
+
+            base = runtime.dit(base_plan).module
+            inject_variant(runtime, plan, build_fp8_dit(base, plan.fp8))
         sampler = DiffSynthSampler() if variant.startswith("ds/") else EditSampler()
         for preset in group:
             note = f"variant {variant}" + (f" ({why})" if preset.id.startswith("e2e/fastest") else "")
@@ -419,7 +394,9 @@ def _run_variant(ctx, runtime, hooks, base_plan, request, variant, group, why) -
                                      "two batch-1 forwards per step)",
                        notes=[note, plan.describe().replace("\n", "; ")])
         if plan.fp8 is not None:
-            runtime.evict(variant_key(runtime, plan))
+            from qwen_edit_hopper.qwen_edit.runtime import dit_key
+
+            runtime.evict(dit_key(plan))
     runtime.dit(base_plan)  # back to the eager base (drops the regional compile)
     torch._dynamo.reset()
     free_memory()

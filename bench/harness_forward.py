@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,13 @@ class ForwardContext:
     _inputs: dict[tuple[int, int], hm.ForwardInputs] = field(default_factory=dict)
     _refs: dict[tuple, torch.Tensor] = field(default_factory=dict)
     _fast: tuple[Any, str] | None = None
+    _prepared: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+
+    def prepared(self, module: torch.nn.Module):
+        """The ``PreparedDit`` this run keeps for ``module`` (compile choice, CUDA graphs, kernel plans)."""
+        if module not in self._prepared:
+            self._prepared[module] = self.fast()[0].PreparedDit(module)
+        return self._prepared[module]
 
     # --- base and inputs
     def get_base(self) -> torch.nn.Module:
@@ -153,11 +161,11 @@ class ForwardContext:
         free_memory()
 
 
-FAST_NEEDS = ("fast_model_fn", "batch_prompts", "compile_blocks", "uncompile_blocks", "fuse_qkv", "FUSED_QKV_PATTERN")
+FAST_NEEDS = ("fast_model_fn", "batch_prompts", "PreparedDit", "fuse_qkv", "FUSED_QKV_PATTERN")
 
 
 def load_fast_forward() -> tuple[Any, str]:
-    """The colleague's ``qwen_edit.fast_forward`` if it imports and has what the harness calls."""
+    """The pack's ``qwen_edit.fast_forward`` if it imports and has what the harness calls."""
     try:
         ff = importlib.import_module("qwen_edit_hopper.qwen_edit.fast_forward")
     except Exception as exc:  # absent or broken: its variants are reported unavailable with this reason
@@ -213,7 +221,7 @@ def _call(ctx: ForwardContext, module, mode: Mode, inputs: hm.ForwardInputs) -> 
     if mode.kind == "ds":
         return hm.diffsynth_forward(module, inputs)
     if mode.kind == "fast":
-        return hm.fast_forward(ctx.fast()[0], module, inputs, attention=mode.attention)
+        return hm.fast_forward(ctx.fast()[0], ctx.prepared(module), inputs, attention=mode.attention)
     if mode.kind == "comfy":
         return hm.comfy_forward(module, inputs)
     raise ValueError(f"unknown call kind {mode.kind!r}")
@@ -223,7 +231,7 @@ def _cfg_step(ctx: ForwardContext, module, mode: Mode, inputs: hm.ForwardInputs)
     if mode.kind == "ds":
         return hm.diffsynth_cfg_step(module, inputs, CFG_SCALE)
     if mode.kind == "fast":
-        return hm.fast_cfg_step(ctx.fast()[0], module, inputs, attention=mode.attention, cfg=CFG_SCALE)
+        return hm.fast_cfg_step(ctx.fast()[0], ctx.prepared(module), inputs, attention=mode.attention, cfg=CFG_SCALE)
     raise ValueError(f"no CFG step for call kind {mode.kind!r}")
 
 
@@ -250,6 +258,8 @@ def measure_forward(ctx: ForwardContext, module, mode: Mode, weights_gib: float,
                "height": hw[0], "width": hw[1], "tokens": ctx.tokens(hw), **probe.figures(),
                "weights_gib": weights_gib}
     figures["standalone_peak_gib"] = weights_gib + figures["activation_peak_gib"]
+    if mode.kind == "fast":
+        figures["kernels"] = ctx.prepared(module).last_plan.summary()
     return figures
 
 
@@ -270,10 +280,11 @@ def measure_cfg(ctx: ForwardContext, module, mode: Mode, forward_ms: float | Non
                "first_call_s": step["first_call_s"], "rel_err": relative_error(out, ctx.cfg_reference()),
                "negative_tokens": inputs.negative.shape[1], **probe.figures()}
     if mode.kind == "fast":
-        ff = ctx.fast()[0]
-        both = hm.fast_forward(ff, module, inputs, batch=2, attention=mode.attention).float()
-        pos = hm.fast_forward(ff, module, inputs, attention=mode.attention).float()
-        neg = hm.fast_forward(ff, module, inputs, attention=mode.attention, negative=True).float()
+        ff, prepared = ctx.fast()[0], ctx.prepared(module)
+        both = hm.fast_forward(ff, prepared, inputs, batch=2, attention=mode.attention).float()
+        figures["kernels"] = prepared.last_plan.summary()
+        pos = hm.fast_forward(ff, prepared, inputs, attention=mode.attention).float()
+        neg = hm.fast_forward(ff, prepared, inputs, attention=mode.attention, negative=True).float()
         figures["batch2_vs_batch1_rel_err"] = max(relative_error(both[:1], pos), relative_error(both[1:], neg))
     return figures
 
@@ -295,7 +306,7 @@ def fast_compiled(ctx: ForwardContext, cuda_graphs: bool = False):
 
     @contextlib.contextmanager
     def enter(module):
-        resident = Resident(key=("bench",), module=module, nbytes=0, label="bench")
+        resident = Resident(key=("bench",), module=module, nbytes=0, label="bench", prepared=ctx.prepared(module))
         with dynamo_settings():
             choice = ctx.compile_choice
             if cuda_graphs and choice is not None:
@@ -347,7 +358,7 @@ compute too (faster and, measured, more accurate than fp8 storage), with cuBLASL
 
 
 FASTEST_GEMM_KERNEL = "cublaslt"
-"""The fastest preset's GEMM call (session 11): the pack's workspace-free cuBLASLt call, the same kernel as
+"""The fastest preset's GEMM call: the pack's workspace-free cuBLASLt call, the same kernel as
 ``torch._scaled_mm`` without the memset before each large GEMM (bench/forward_ab_bench.py --gemm)."""
 
 
@@ -358,9 +369,8 @@ FASTEST_ATTENTION = "cudnn_fp8"
 
 FASTEST_CUDA_GRAPHS = True
 """Whether the fastest preset runs as whole-forward CUDA graphs (``qwen_edit.fast.graphs``). On, as the shipped
-"fastest" workflow since the eighth session: graphs are no longer dropped when an unrelated module registers
-a tensor, and the Lightning 4-step edit took 0.90 s with and without them (H200); ``fastest-nographs-compiled``
-measures the preset without them."""
+"fastest" workflow: the Lightning 4-step edit took 0.90 s with and without them (H200);
+``fastest-nographs-compiled`` measures the preset without them."""
 
 
 def fastest_fp8():

@@ -61,15 +61,24 @@ def randomize_(module: torch.nn.Module, seed: int = 0, small: tuple[str, ...] = 
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        if param.ndim >= 2:
-            std = 1.0 / math.sqrt(fan_in(tuple(param.shape)))
-            if any(s in name for s in small):
-                std *= 0.1
-            param.normal_(0.0, std, generator=gen)
-        elif "norm" in name or name.endswith("gamma"):
-            param.fill_(1.0)
-        else:
-            param.zero_()
+        random_fill_(name, param, gen, small)
+
+
+@torch.no_grad()
+def random_fill_(name: str, tensor: torch.Tensor, generator: torch.Generator,
+                 small: tuple[str, ...] = SMALL_INIT) -> torch.Tensor:
+    """Fill one tensor in place by :func:`randomize_`'s rule for a parameter called ``name``; returns it.
+
+    ``tensor`` and ``generator`` must be on the same device; any floating dtype.
+    """
+    if tensor.ndim >= 2:
+        std = 1.0 / math.sqrt(fan_in(tuple(tensor.shape)))
+        if any(s in name for s in small):
+            std *= 0.1
+        return tensor.normal_(0.0, std, generator=generator)
+    if "norm" in name or name.endswith("gamma"):
+        return tensor.fill_(1.0)
+    return tensor.zero_()
 
 
 def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
@@ -141,22 +150,23 @@ def build_dit(size: str, device: torch.device | str, dtype: torch.dtype = torch.
     return materialize_random(create_dit(configs(size)[0]), device, dtype, seed)
 
 
-def fastest_fp8_dit(base: torch.nn.Module, fused_qkv: tuple[str, ...] | None = None) -> torch.nn.Module:
+def fastest_fp8_dit(base: torch.nn.Module, fused_qkv: tuple[str, ...] | None = None):
     """The fastest preset's DiT built from ``base`` (row-wise scaled-mm, "attn+mlp+mod compute", fast
     accumulation, the workspace-free cuBLASLt GEMM call, the text stream's Q/K/V fused unless ``fused_qkv``
-    names other streams) with the pack's regional compile (blocks compiled on first use). ``base`` stays as it
-    is; the caller drops it when done with it."""
+    names other streams), as a ``PreparedDit`` with the pack's regional compile (blocks compiled on first use;
+    the module is its ``.module``). ``base`` stays as it is; the caller drops it when done with it."""
     from qwen_edit_hopper.fp8 import Fp8Config
-    from qwen_edit_hopper.qwen_edit import fast_forward as ff
+    from qwen_edit_hopper.qwen_edit.fast.prepared import PreparedDit
     from qwen_edit_hopper.qwen_edit.fp8_dit import build_fp8_dit
 
     module = build_fp8_dit(base, Fp8Config(backend="scaled_mm_rowwise", preset="attn+mlp+mod compute",
                                            fast_accum=True, gemm_kernel="cublaslt"), fused_qkv)  # fmt: skip
-    ff.compile_blocks(module)
-    return module
+    prepared = PreparedDit(module)
+    prepared.compile_blocks()
+    return prepared
 
 
-def fastest_fp8_dit_at_full_size(device: torch.device) -> tuple[torch.nn.Module, ForwardInputs]:
+def fastest_fp8_dit_at_full_size(device: torch.device) -> tuple[Any, ForwardInputs]:
     """:func:`fastest_fp8_dit` of a full-size random DiT (the bf16 base is dropped and its memory freed), and the
     1024x1024 edit's inputs (one reference image, 300 text tokens)."""
     base = build_dit(FULL, device)
@@ -389,12 +399,15 @@ def diffsynth_cfg_step(dit: torch.nn.Module, inputs: ForwardInputs, cfg: float =
     return negative + cfg * (positive - negative)
 
 
-def fast_forward(ff, dit: torch.nn.Module, inputs: ForwardInputs, *, batch: int = 1, attention: str = "sdpa",
-                 negative: bool = False, zero_cond_t: bool = False) -> torch.Tensor:
-    """The pack's ``fast_model_fn``: batch 1 (prompt, or negative), or batch 2 = [prompt, negative].
-    ``zero_cond_t``: Qwen-Image-Edit-2511's reference-token modulation (timestep 0 for the reference tokens)."""
+def fast_forward(ff, dit, inputs: ForwardInputs, *, batch: int = 1, attention: str = "sdpa",
+                 negative: bool = False, zero_cond_t: bool = False, options=None) -> torch.Tensor:
+    """The pack's ``fast_model_fn`` on ``dit`` (a ``PreparedDit``, or a module run eagerly): batch 1 (prompt, or
+    negative), or batch 2 = [prompt, negative]. ``zero_cond_t``: Qwen-Image-Edit-2511's reference-token modulation
+    (timestep 0 for the reference tokens); ``options``: a ``ForwardOptions`` (None: the shipped ones)."""
     shared = {"timestep": inputs.timestep, "height": inputs.height, "width": inputs.width,
               "edit_latents": [inputs.edit], "attention_backend": attention, "zero_cond_t": zero_cond_t}
+    if options is not None:
+        shared["options"] = options
     with torch.no_grad():
         if batch == 1:
             emb, mask = (inputs.negative, inputs.negative_mask) if negative else (inputs.prompt, inputs.prompt_mask)
@@ -403,8 +416,7 @@ def fast_forward(ff, dit: torch.nn.Module, inputs: ForwardInputs, *, batch: int 
         return ff.fast_model_fn(dit=dit, latents=latents, **inputs.batched_text(ff), **shared)
 
 
-def fast_cfg_step(ff, dit: torch.nn.Module, inputs: ForwardInputs, *, attention: str = "sdpa",
-                  cfg: float = 4.0) -> torch.Tensor:
+def fast_cfg_step(ff, dit, inputs: ForwardInputs, *, attention: str = "sdpa", cfg: float = 4.0) -> torch.Tensor:
     """One true-CFG step with cond and uncond in one batch-2 forward, then combine."""
     positive, negative = fast_forward(ff, dit, inputs, batch=2, attention=attention).chunk(2)
     return negative + cfg * (positive - negative)

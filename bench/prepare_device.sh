@@ -2,6 +2,8 @@
 # Here (no GPU), before device calls: fill the ignored folders a GPU call carries.
 #   .whl/        py3.12 manylinux wheels the GPU image lacks (bench/device_env.sh installs them there)
 #   .comfy_src/  ComfyUI 0.3.75's Python source (the harness's ComfyUI anchors), from .testenv/comfyui
+#                (app/frontend_management included: a server imports it; bench/product_path_device.sh prepares
+#                what a whole server needs)
 # Both folders are ignored (.git/info/exclude); carry them: carry [".whl", ".comfy_src"].
 # Needs scripts/setup_test_env.sh to have run (for .testenv/comfyui). Downloads about 20 MB.
 set -euo pipefail
@@ -25,7 +27,7 @@ if [ ! -d .comfy_src ]; then
   [ -d .testenv/comfyui ] || { echo "run scripts/setup_test_env.sh first (.testenv/comfyui missing)"; exit 1; }
   mkdir .comfy_src
   (cd .testenv/comfyui && tar cf - --exclude=__pycache__ --exclude='*.json' --exclude=tests --exclude=tests-unit \
-     --exclude=app/frontend_management --exclude='*.safetensors' --exclude=models --exclude=web --exclude=input \
+     --exclude='*.safetensors' --exclude=models --exclude=web --exclude=input \
      --exclude=output --exclude=.git .) | (cd .comfy_src && tar xf -)
   # the harness's end-to-end part reads ComfyUI's Qwen2.5 tokenizer files (the other tokenizers are not needed)
   cp -r .testenv/comfyui/comfy/text_encoders/qwen25_tokenizer/. .comfy_src/comfy/text_encoders/qwen25_tokenizer/

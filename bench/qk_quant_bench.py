@@ -34,8 +34,8 @@ import harness_core as hc
 from pack import load_pack
 
 load_pack()
-from qwen_edit_hopper.fp8 import qk_norm_quant as qq  # noqa: E402
 from qwen_edit_hopper.fp8.attention.triton_fp8 import _to_e4m3  # noqa: E402
+from qwen_edit_hopper.qwen_edit.kernels import qk_norm_rope_quant as qq  # noqa: E402
 
 H, D, S_IMG, S_TXT = 24, 128, 8192, 300
 SHAPES = [(t, w) for t in (1, 2, 4) for w in (2, 4, 8)] + [(8, 4), (8, 8)]  # 16 tokens spill (ptxas)

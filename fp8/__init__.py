@@ -14,13 +14,14 @@ Typical use::
     print(report.to_text())
 
 Modules: :mod:`.config` (Fp8Config, TeRecipeConfig), :mod:`.presets`,
-:mod:`.capability`, :mod:`.quant` (quantization math), :mod:`.linear`
-(ScaledMMLinear, WeightOnlyLinear), :mod:`.gelu_quant` / :mod:`.norm_quant` (fused quantization kernels),
-:mod:`.te_backend` (TeLinear, calibration),
+:mod:`.capability` (the ``Capability`` value every check returns), :mod:`.backend_checks`,
+:mod:`.quant` (quantization math), :mod:`.linear` (ScaledMMLinear, WeightOnlyLinear),
+:mod:`.gelu_quant` / :mod:`.norm_quant` (fused quantization kernels), :mod:`.te_backend` (TeLinear, calibration),
 :mod:`.swap` (quantize_linears), :mod:`.numerics`, :mod:`.diagnose`.
 """
 
-from .capability import Capability, check_backend, require_backend, scaled_mm_capability, te_capability
+from .backend_checks import check_backend, require_backend, scaled_mm_capability, te_capability
+from .capability import Capability
 from .config import BACKENDS, TE_RECIPES, Fp8Config, TeRecipeConfig
 from .diagnose import Diagnosis, DiagnosticLine, diagnose
 from .errors import Fp8CalibrationError, Fp8Error, Fp8ShapeError, Fp8UnavailableError

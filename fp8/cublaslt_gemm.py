@@ -41,10 +41,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .capability import Capability
 from .errors import Fp8UnavailableError
 from .quant import FP8_DTYPE
 
-__all__ = ["CANDIDATES", "OP_NAME", "RESIDUAL_OP_NAME", "LtPlan", "cublaslt_problem", "cublaslt_rowwise_mm",
+__all__ = ["CANDIDATES", "OP_NAME", "RESIDUAL_OP_NAME", "LtPlan", "cublaslt_capability", "cublaslt_rowwise_mm",
            "cublaslt_rowwise_mm_residual", "plan_for", "plans", "reference_rowwise_residual"]
 
 logger = logging.getLogger(__name__)
@@ -156,27 +157,29 @@ def _library() -> _Library:
         return _LIBRARY
 
 
-def cublaslt_problem(device: torch.device | None = None) -> str | None:
-    """Why this module's GEMM cannot run on ``device`` (default: the current CUDA device), or None when it can.
+def cublaslt_capability(device: torch.device | None = None) -> Capability:
+    """Whether this module's GEMM can run on ``device`` (default: the current CUDA device).
 
     Needs CUDA, compute capability >= 9.0, a loadable libcublasLt of version >= 12.9 (outer-vector fp8
     scaling) and a successful cuBLASLt handle.
     """
     if not torch.cuda.is_available():
-        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
+        return Capability.no("needs a CUDA GPU (torch.cuda.is_available() is False)")
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if device.type != "cuda":
-        return f"needs a CUDA device, got {device}"
+        return Capability.no(f"needs a CUDA device, got {device}")
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
-        return f"needs compute capability >= 9.0 (Hopper) for outer-vector fp8 scaling, got {major}.{minor}"
+        return Capability.no(f"needs compute capability >= 9.0 (Hopper) for outer-vector fp8 scaling, got "
+                             f"{major}.{minor}")
     try:
         lib = _library()
     except Fp8UnavailableError as exc:
-        return str(exc)
+        return Capability.no(str(exc))
     if lib.version < 120900:
-        return f"needs cuBLASLt >= 12.9 for outer-vector fp8 scaling, {lib.path} is version {lib.version}"
-    return None
+        return Capability.no(f"needs cuBLASLt >= 12.9 for outer-vector fp8 scaling, {lib.path} is version "
+                             f"{lib.version}")
+    return Capability.yes(f"cuBLASLt {lib.version} ({lib.path})")
 
 
 @dataclass

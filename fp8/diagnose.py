@@ -6,7 +6,7 @@ actually loaded (from /proc/self/maps after a cuDNN convolution), Transformer
 Engine (installed, version, torch extension importable, fp8 available),
 flash-attn and FlashAttention-3 presence, which backend SDPA picks at
 Qwen-Image attention shapes (1 x 24 heads x 8492 tokens x 128, bf16) on a GPU,
-and a recommendation:
+the host's own lines first (inside ComfyUI: its version), and a recommendation:
 
 * ``fastest``: fp8 row-wise ``torch._scaled_mm``, compiled (compute capability
   >= 9.0 and the row-wise kernel runs);
@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import NamedTuple
 
 import torch
 
-from .capability import _resolve, fp8_compute_capability, gpu_description, scaled_mm_capability, te_capability
+from .backend_checks import fp8_compute_capability, scaled_mm_capability, te_capability
+from .capability import gpu_description, resolve_device
 from .config import Fp8Config
 from .te_backend import te_import_status
 
@@ -126,11 +127,15 @@ def _recommend(dev: torch.device, row_ok: bool, row_reason: str) -> tuple[str, s
         backend="weight_only")
 
 
-def diagnose(device: torch.device | str | None = None) -> Diagnosis:
-    """Probe ``device`` (default: the current CUDA device, else CPU); never raises."""
-    lines: list[DiagnosticLine] = []
+def diagnose(device: torch.device | str | None = None, host_lines: Sequence[DiagnosticLine] = ()) -> Diagnosis:
+    """Probe ``device`` (default: the current CUDA device, else CPU); never raises.
+
+    ``host_lines`` come first: what the host program knows about itself (the ComfyUI glue passes ComfyUI's
+    version and memory mode, ``nodes.comfy_compat.diagnosis_lines``).
+    """
+    lines: list[DiagnosticLine] = list(host_lines)
     try:
-        dev = _resolve(device)
+        dev = resolve_device(device)
     except Exception as ex:  # a bad device string is reported, not raised
         lines.append(DiagnosticLine("device", str(device), f"cannot resolve: {type(ex).__name__}: {ex}"))
         dev = torch.device("cpu")
@@ -190,10 +195,9 @@ def diagnose(device: torch.device | str | None = None) -> Diagnosis:
 
 def _cudnn_fp8_line(dev: torch.device) -> tuple[str, str]:
     """Whether ``attention: cudnn_fp8`` (the fastest preset's attention) can run here, and why not."""
-    from .attention import check_backend
+    from .attention import attention_capability
 
-    ok, reason = check_backend("cudnn_fp8", dev)
-    return ("ok" if ok else "no"), reason
+    return _cap_line(attention_capability("cudnn_fp8", dev))
 
 
 def _cap_line(cap, yes: str = "ok", no: str = "no") -> tuple[str, str]:

@@ -7,7 +7,7 @@ these (or reports a skip with a reason), it never drops to bf16 on its own.
 
 from __future__ import annotations
 
-__all__ = ["Fp8CalibrationError", "Fp8Error", "Fp8ShapeError", "Fp8UnavailableError"]
+__all__ = ["AttentionUnavailableError", "Fp8CalibrationError", "Fp8Error", "Fp8ShapeError", "Fp8UnavailableError"]
 
 
 class Fp8Error(RuntimeError):
@@ -24,3 +24,7 @@ class Fp8ShapeError(Fp8Error, ValueError):
 
 class Fp8CalibrationError(Fp8Error):
     """DelayedScaling layers used before (or without a working) calibration pass."""
+
+
+class AttentionUnavailableError(Fp8UnavailableError):
+    """The requested attention backend cannot run here; the message carries the capability reason."""

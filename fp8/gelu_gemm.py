@@ -30,7 +30,7 @@ pair it replaced there at every size measured (H200, ``bench/text_gelu_gemm_benc
 24.2 us at 300 rows, 48.3 -> 40.4 us at 600).
 
 Limits: CUDA compute capability 9.0, Triton with TMA descriptors, e4m3 x (M, K) with contiguous rows and w (N, K)
-contiguous, K and N multiples of 16 (TMA's 16-byte strides). Callers check :func:`gelu_gemm_problem`. Registered
+contiguous, K and N multiples of 16 (TMA's 16-byte strides). Callers check :func:`gelu_gemm_capability`. Registered
 as the custom op ``qwen_edit_hopper::gelu_gemm_rowwise`` (``torch.library.custom_op``: one opaque call in compiled
 blocks, as the pack's other TMA kernels).
 """
@@ -41,10 +41,11 @@ import logging
 
 import torch
 
+from .capability import Capability
 from .quant import E4M3_MAX, FP8_DTYPE
 
 __all__ = ["BOUND_MARGIN", "CONFIG", "OP_NAME", "SMALL_M_CONFIG", "column_bound", "config_for_rows",
-           "gelu_gemm_problem", "gelu_gemm_rowwise", "reference_gelu_gemm"]
+           "gelu_gemm_capability", "gelu_gemm_rowwise", "reference_gelu_gemm"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,23 +118,25 @@ def reference_gelu_gemm(x8: torch.Tensor, x_scale: torch.Tensor, x_norm: torch.T
     return (h / h_scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE), h_scale
 
 
-def gelu_gemm_problem(x8: torch.Tensor, w8: torch.Tensor, fast_accum: bool) -> str | None:
-    """Why :func:`gelu_gemm_rowwise` cannot run for these operands, or None when it can."""
+def gelu_gemm_capability(x8: torch.Tensor, w8: torch.Tensor, fast_accum: bool) -> Capability:
+    """Whether :func:`gelu_gemm_rowwise` can run for these operands."""
     if _TRITON_MISSING is not None:
-        return _TRITON_MISSING
+        return Capability.no(_TRITON_MISSING)
     if not fast_accum:
-        return "the layer does not use fast accumulation (the kernel accumulates e4m3 products without promotion)"
+        return Capability.no("the layer does not use fast accumulation (the kernel accumulates e4m3 products "
+                             "without promotion)")
     if not x8.is_cuda or tuple(torch.cuda.get_device_capability(x8.device)) != (9, 0):
-        return "the fused GELU GEMM is written for Hopper (CUDA compute capability 9.0)"
+        return Capability.no("the fused GELU GEMM is written for Hopper (CUDA compute capability 9.0)")
     if x8.dtype != FP8_DTYPE or w8.dtype != FP8_DTYPE or x8.dim() != 2 or w8.dim() != 2:
-        return f"operands must be 2-D {FP8_DTYPE}, got {x8.dtype} {tuple(x8.shape)} and {w8.dtype} {tuple(w8.shape)}"
+        return Capability.no(f"operands must be 2-D {FP8_DTYPE}, got {x8.dtype} {tuple(x8.shape)} and {w8.dtype} "
+                             f"{tuple(w8.shape)}")
     m, k = x8.shape
     n = w8.shape[0]
     if k % 16 or n % 16 or w8.shape[1] != k:
-        return f"shapes ({m}, {k}) x ({n}, {w8.shape[1]}): K and N must be equal multiples of 16"
+        return Capability.no(f"shapes ({m}, {k}) x ({n}, {w8.shape[1]}): K and N must be equal multiples of 16")
     if x8.stride(1) != 1 or x8.stride(0) % 16 or not w8.is_contiguous():
-        return "x8 needs contiguous rows (16-byte aligned stride) and w8 must be contiguous"
-    return None
+        return Capability.no("x8 needs contiguous rows (16-byte aligned stride) and w8 must be contiguous")
+    return Capability.yes("Triton GEMM with TMA on Hopper")
 
 
 if triton is not None:
@@ -231,11 +234,11 @@ def gelu_gemm_rowwise(x8: torch.Tensor, x_scale: torch.Tensor, x_norm: torch.Ten
     (or any upper bound of it); w8: (N, K) float8_e4m3fn; w_scale: (N, 1) float32; bias: (N,) or None;
     col_bound: :func:`column_bound` of (w8, w_scale, bias). Returns (h8 (M, N) float8_e4m3fn, h_scale (M, 1)
     float32), the down-projection's row-wise input. Raises ValueError naming the reason where the kernel cannot run
-    (:func:`gelu_gemm_problem`).
+    (:func:`gelu_gemm_capability`).
     """
-    problem = gelu_gemm_problem(x8, w8, True)
-    if problem is not None:
-        raise ValueError(f"gelu_gemm_rowwise: {problem}")
+    capability = gelu_gemm_capability(x8, w8, True)
+    if not capability.ok:
+        raise ValueError(f"gelu_gemm_rowwise: {capability.reason}")
     m, n = x8.shape[0], w8.shape[0]
     if x_scale.numel() != m or x_norm.numel() != m or w_scale.numel() != n or col_bound.numel() != 2:
         raise ValueError(f"gelu_gemm_rowwise: x_scale and x_norm need {m} values, w_scale {n}, col_bound 2; got "

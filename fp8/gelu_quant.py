@@ -14,7 +14,7 @@ the quotient is an exact e4m3 rounding tie), clamp to +-448, round to nearest ev
 codes of an 8192 x 12288 Gaussian test equalled the reference's (bench/gelu_quant_bench.py).
 
 Limits: CUDA tensors only (Triton), ``y`` bf16 [M, N] with N <= :data:`MAX_COLUMNS`. Callers check
-:func:`gelu_quant_problem` and use the plain-torch path when it returns a reason.
+:func:`gelu_quant_capability` and use the plain-torch path when it says no.
 Registered as the custom op ``qwen_edit_hopper::gelu_quantize_rowwise`` through
 ``torch.library.triton_op``, so ``torch.compile`` keeps it in the graph (no graph break).
 """
@@ -25,13 +25,13 @@ import logging
 
 import torch
 
+from .capability import Capability
 from .quant import E4M3_MAX, EPS, FP8_DTYPE, quantize_rowwise
 
 __all__ = [
     "MAX_COLUMNS",
     "OP_NAME",
-    "SPLIT_ROWS",
-    "gelu_quant_problem",
+    "gelu_quant_capability",
     "gelu_quantize_rowwise",
     "reference_gelu_quantize",
     "row_chunks",
@@ -58,31 +58,25 @@ else:
     _TRITON_MISSING = None
 
 
-SPLIT_ROWS = True
-"""Rows of 3 * 2^k columns (12288, 3072 at full size) as three unmasked chunks of 2^k instead of one masked
-block of 2^(k+2) (a quarter of its lanes idle); here and in :mod:`.norm_quant`. Read when a call is traced or
-run and passed to the custom op as an argument (so compiled graphs and their caches tell the two apart); a
-switch for the benchmark (H200: GELU + quantize of 8192 x 12288 0.170 -> 0.132 ms, docs/benchmarks.md)."""
-
-
-def row_chunks(n_columns: int, split: bool = True) -> tuple[int, int]:
-    """(chunks, block) for a row of ``n_columns``: (3, n / 3) where that is a power of two and ``split``,
-    else (1, next power of two)."""
+def row_chunks(n_columns: int) -> tuple[int, int]:
+    """(chunks, block) for a row of ``n_columns``: (3, n / 3) where that is a power of two, else (1, next power of
+    two). Three unmasked chunks leave no lanes idle where one masked block of 2^(k+2) would idle a quarter of them
+    (H200: GELU + quantize of 8192 x 12288 0.170 -> 0.132 ms)."""
     third = n_columns // 3
-    if split and n_columns == 3 * third and third >= 16 and third & (third - 1) == 0:
+    if n_columns == 3 * third and third >= 16 and third & (third - 1) == 0:
         return 3, third
     return 1, 1 << max(n_columns - 1, 0).bit_length()
 
 
-def gelu_quant_problem(y_device: torch.device, n_columns: int) -> str | None:
-    """Why the fused kernel cannot run for a [M, n_columns] bf16 input on ``y_device``, or None when it can."""
+def gelu_quant_capability(y_device: torch.device, n_columns: int) -> Capability:
+    """Whether the fused kernel can run for a [M, n_columns] bf16 input on ``y_device``."""
     if _TRITON_MISSING is not None:
-        return _TRITON_MISSING
+        return Capability.no(_TRITON_MISSING)
     if y_device.type != "cuda":
-        return f"the fused GELU + quantize kernel needs a CUDA tensor, got {y_device.type}"
+        return Capability.no(f"the Triton kernels need a CUDA tensor, got {y_device.type}")
     if n_columns > MAX_COLUMNS:
-        return f"rows of {n_columns} columns exceed the kernel's {MAX_COLUMNS}"
-    return None
+        return Capability.no(f"rows of {n_columns} columns exceed the kernel's {MAX_COLUMNS}")
+    return Capability.yes(f"Triton GELU + quantize kernel on {y_device}")
 
 
 def reference_gelu_quantize(y: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,12 +144,12 @@ if triton is not None:
         _quantize_store_row(out_row, scale_ptr + row, h0, h1, h2, cols, mask, BLOCK, CHUNKS, INTERPRET)
 
     @triton_op(OP_NAME, mutates_args={})
-    def _gelu_quantize_op(y: torch.Tensor, bias: torch.Tensor | None, num_warps: int = DEFAULT_WARPS,
-                          split_rows: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gelu_quantize_op(y: torch.Tensor, bias: torch.Tensor | None, num_warps: int = DEFAULT_WARPS
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, cols = y.shape
         out = torch.empty((rows, cols), dtype=FP8_DTYPE, device=y.device)
         scale = torch.empty((rows, 1), dtype=torch.float32, device=y.device)
-        chunks, block = row_chunks(cols, split_rows)
+        chunks, block = row_chunks(cols)
         wrap_triton(_gelu_quant_kernel)[(rows,)](
             y, bias if bias is not None else y, out, scale, cols, y.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK=block, CHUNKS=chunks, INTERPRET=interpreter_active(),
@@ -164,18 +158,18 @@ if triton is not None:
         return out, scale
 
 
-def gelu_quantize_rowwise(y: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gelu_quantize_rowwise(y: torch.Tensor, bias: torch.Tensor | None = None, *, num_warps: int = DEFAULT_WARPS
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``quantize_rowwise(gelu(y + bias))``.
 
-    y: [M, N] bf16 CUDA, last dim contiguous; bias: [N] (any float dtype) or None.
+    y: [M, N] bf16 CUDA, last dim contiguous; bias: [N] (any float dtype) or None; ``num_warps`` per row.
     Returns (h8 [M, N] float8_e4m3fn, scale [M, 1] float32). Raises ValueError with the reason
-    (:func:`gelu_quant_problem`) where the kernel cannot run.
+    (:func:`gelu_quant_capability`) where the kernel cannot run.
     """
-    problem = gelu_quant_problem(y.device, y.shape[-1])
-    if problem is not None:
-        raise ValueError(problem)
+    capability = gelu_quant_capability(y.device, y.shape[-1])
+    if not capability.ok:
+        raise ValueError(capability.reason)
     if y.dtype != torch.bfloat16 or y.dim() != 2 or y.stride(-1) != 1:
         raise ValueError(f"gelu_quantize_rowwise takes a 2-D bf16 tensor with contiguous rows, got {y.dtype} "
                          f"{tuple(y.shape)} strides {y.stride()}")
-    return _gelu_quantize_op(y, bias.to(y.dtype).contiguous() if bias is not None else None, DEFAULT_WARPS,
-                             SPLIT_ROWS)
+    return _gelu_quantize_op(y, bias.to(y.dtype).contiguous() if bias is not None else None, num_warps)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from .capability import Capability
 from .config import GEMM_KERNELS
 from .cublaslt_gemm import cublaslt_rowwise_mm
 from .gelu_gemm import column_bound
@@ -38,7 +39,7 @@ from .quant import (
 from .small_m_gemm import fp8_gemm_small_m, small_m_config
 
 __all__ = ["GEMM_KERNELS", "GRANULARITIES", "Fp8Linear", "ScaledMMLinear", "WeightOnlyLinear",
-           "scaled_mm_shape_problem"]
+           "scaled_mm_shape_capability"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,13 @@ GRANULARITIES = ("rowwise", "tensorwise")
 SCALED_MM_ALIGN = 16
 
 
-def scaled_mm_shape_problem(in_features: int, out_features: int, what: str = "torch._scaled_mm") -> str | None:
-    """Reason why a [out, in] weight cannot go through an fp8 GEMM, or None when it can (K, N % 16 == 0)."""
+def scaled_mm_shape_capability(in_features: int, out_features: int, what: str = "torch._scaled_mm") -> Capability:
+    """Whether a [out, in] weight can go through an fp8 GEMM (K, N % 16 == 0)."""
     bad = [f"{n}={v}" for n, v in (("K", in_features), ("N", out_features)) if v % SCALED_MM_ALIGN]
     if not bad:
-        return None
-    return f"{' and '.join(bad)} not divisible by {SCALED_MM_ALIGN} ({what} needs K and N divisible by 16)"
+        return Capability.yes(f"K={in_features} and N={out_features} are divisible by {SCALED_MM_ALIGN}")
+    return Capability.no(f"{' and '.join(bad)} not divisible by {SCALED_MM_ALIGN} ({what} needs K and N divisible by "
+                         "16)")
 
 
 class Fp8Linear(nn.Module):
@@ -159,9 +161,9 @@ class ScaledMMLinear(Fp8Linear):
             raise ValueError(f"{layer_name or 'layer'}: gemm_kernel='cublaslt' takes row-wise scales only; "
                              f"use gemm_kernel='torch' with granularity={granularity!r}")
         super().__init__(weight_fp8, weight_scale, bias, layer_name)
-        problem = scaled_mm_shape_problem(self.in_features, self.out_features)
-        if problem is not None:
-            raise ValueError(f"{layer_name or 'layer'}: {problem}")
+        shape = scaled_mm_shape_capability(self.in_features, self.out_features)
+        if not shape.ok:
+            raise ValueError(f"{layer_name or 'layer'}: {shape.reason}")
         self.granularity = granularity
         self.emulate = bool(emulate)
         self.fast_accum = bool(fast_accum)
@@ -175,7 +177,7 @@ class ScaledMMLinear(Fp8Linear):
         :func:`.gelu_gemm.column_bound`) from the current weight, in place when it exists (a captured CUDA graph
         reads the same memory). Kept for row-wise CUDA layers only (``None`` otherwise): the fused GELU GEMM
         bounds its output with it. Called on construction, after loading a state dict, after a move to CUDA and
-        by whatever rewrites the weight in place (``qwen_edit.fp8_dit.requantize_in_place``)."""
+        by whatever rewrites the weight in place (``qwen_edit.fp8_dit.write_weights``)."""
         if self.granularity != "rowwise" or not self.weight.is_cuda:
             self.column_bound = None
             return
@@ -208,9 +210,10 @@ class ScaledMMLinear(Fp8Linear):
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         return self.linear_quantized(*self.quantize_input(x2d), x2d.dtype)
 
-    def linear_quantized(self, x8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def linear_quantized(self, x8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype, *,
+                         small_m: bool = True) -> torch.Tensor:
         """:meth:`gemm` plus the bias (added in ``out_dtype``; Inductor fuses it): the layer on a quantized input."""
-        y = self.gemm(x8, x_scale, out_dtype)
+        y = self.gemm(x8, x_scale, out_dtype, small_m=small_m)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
@@ -222,16 +225,18 @@ class ScaledMMLinear(Fp8Linear):
                             f"(its kernel writes bf16 only), got {x2d.dtype}")
         return quantize_rowwise(x2d) if self.granularity == "rowwise" else quantize_tensorwise(x2d)
 
-    def gemm(self, x8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def gemm(self, x8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype, *,
+             small_m: bool = True) -> torch.Tensor:
         """The fp8 GEMM alone, on an already quantized input, without the bias.
 
         x8: [M, K] float8_e4m3fn, x_scale: [M, 1] (row-wise) or 0-dim (tensor-wise) float32.
         Returns [M, N] ``out_dtype``. For callers that quantize the input themselves (a fused kernel)
-        or add the bias elsewhere.
+        or add the bias elsewhere. ``small_m``: few-row GEMMs at the tuned shapes may take
+        :mod:`.small_m_gemm`'s Triton kernel (:func:`.small_m_gemm.small_m_config`); False keeps cuBLASLt.
         """
         if self.emulate:
             return reference_scaled_mm(x8, x_scale, self.weight, self.weight_scale, out_dtype)
-        config = small_m_config(x8, self.weight, x_scale, out_dtype, self.fast_accum)
+        config = small_m_config(x8, self.weight, x_scale, out_dtype, self.fast_accum) if small_m else None
         if config is not None:  # few rows (the text stream): a Triton kernel beats cuBLASLt's pick
             return fp8_gemm_small_m(x8, x_scale, self.weight, self.weight_scale, config)
         if self.gemm_kernel == "cublaslt":  # workspace-free, per-shape timed algorithm (no memset per call)

@@ -23,38 +23,34 @@ where it is False (then ``R == 2 * sets``).
 norm (``x + gate * (y + bias)``, ``y`` a linear's output) and returns the updated stream: Inductor had
 fused that update into its norm kernel, so without it the fused path would add a pass.
 
-Row norms (``with_norms``, for the bounds of :mod:`.gelu_gemm` and :mod:`.v_gemm`): an upper bound of each quantized
-row's L2 norm ``||codes * scale||``, not the exact value. With ``v = m / scale`` the row before rounding
-(``|v| <= 448``), rounding to nearest moves each element by at most ``2^-4 |v|`` (normal range) or ``2^-10``
-(subnormals), so ``||codes|| <= (1 + 2^-4) ||v|| + 2^-10 sqrt(D)``; times ``scale``:
+Row norms (``with_norms``, for the bounds of :mod:`.gelu_gemm` and of the joint v GEMM in ``qwen_edit.kernels``):
+an upper bound of each quantized row's L2 norm ``||codes * scale||``, not the exact value. With ``v = m / scale``
+the row before rounding (``|v| <= 448``), rounding to nearest moves each element by at most ``2^-4 |v|`` (normal
+range) or ``2^-10`` (subnormals), so ``||codes|| <= (1 + 2^-4) ||v|| + 2^-10 sqrt(D)``; times ``scale``:
 ``(1 + 2^-4) ||m|| + 2^-10 sqrt(D) scale``. ``||m||`` comes from a sum of squares that rides along in the amax
 reduction. The rounding errors average out over a row, so the bound is about 6% above the exact norm (at most
-(1 + 2^-4) / (1 - 2^-4), 13%, plus the subnormal term). Until the sixteenth session the kernel took the exact norm
-from its codes (an e4m3 -> float conversion and one more reduction per row). For 8192 x 3072 on an H200
-(``bench/norm_quant_norms_bench.py``): exact 31.30 us, bound 29.46, no norms 29.06 alone; right after an fp8 GEMM,
-where it runs in the block, 29.01 / 27.77 / 27.24 us. (A first run had the exact norms at 39.9 us after the GEMM; the
-second did not reproduce it.) The forward A/B could not resolve the difference (173.94 -> 173.72 ms, rounds
-172.4-178.1). The consumers' bounds are loose by about 15x anyway. :data:`NORMS_FROM_CODES`
-brings the exact norms back (for A/B benches). The one-row kernel (widths other than 3 * 2^k) returns the exact
-norms (:func:`quantized_row_norms`).
+(1 + 2^-4) / (1 - 2^-4), 13%, plus the subnormal term). Exact norms from the codes (an e4m3 -> float conversion
+and one more reduction per row) measured 31.30 us against the bound's 29.46 for 8192 x 3072 on an H200 (no norms:
+29.06), and no difference in the whole forward; the consumers' bounds are loose by about 15x anyway. The one-row
+kernel (widths other than 3 * 2^k) returns the exact norms (:func:`quantized_row_norms`).
 
 Limits: CUDA tensors only, bf16 ``x`` with contiguous rows, D <= :data:`.gelu_quant.MAX_COLUMNS`. Callers check
-:func:`norm_quant_problem` and use the plain-torch path when it returns a reason.
+:func:`norm_quant_capability` and use the plain-torch path when it says no.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import gelu_quant
-from .gelu_quant import gelu_quant_problem, row_chunks
+from .capability import Capability
+from .gelu_quant import gelu_quant_capability, row_chunks
 from .quant import FP8_DTYPE, quantize_rowwise
 
 __all__ = [
     "OP_NAME",
     "RESIDUAL_OP_NAME",
     "modulate_quantize_rowwise",
-    "norm_quant_problem",
+    "norm_quant_capability",
     "quantized_row_norms",
     "reference_modulate_quantize",
     "reference_residual_modulate_quantize",
@@ -65,18 +61,14 @@ OP_NAME = "qwen_edit_hopper::modulate_quantize_rowwise"
 RESIDUAL_OP_NAME = "qwen_edit_hopper::residual_modulate_quantize_rowwise"
 
 DEFAULT_WARPS = 4
-"""Warps per program (bench/gelu_quant_bench.py measures 2 / 4 / 8 / 16)."""
+"""Warps per program: the fastest of 1 / 2 / 4 / 8 / 16 at 8192 x 3072 on an H200."""
 
 DEFAULT_ROWS = 1
 """Rows per program for rows of 3 * 2^k columns (3072 at full size): 0 runs the one-row kernel (one cross-warp
 reduction per chunk and statistic), 1 or more the multi-row kernel (``_modulate_quant_rows_kernel``: the chunks
-combined in registers, one reduction per statistic). H200 (docs/benchmarks.md, ninth session): 1 row at 4 warps
+combined in registers, one reduction per statistic). H200: 1 row at 4 warps
 28.1 / 50.1 us against the one-row kernel's 31.2 / 51.5 us (plain / residual, 8192 x 3072), and 187.8 against
 188.8 ms per forward; more rows per program were slower."""
-
-NORMS_FROM_CODES = False
-"""``with_norms`` returns the exact norms of the e4m3 codes (the kernel before the sixteenth session) instead of the
-bound (module docstring, "Row norms"). Read when a block is traced (Dynamo guards on it)."""
 
 E4M3_REL_ROUNDING = 2.0**-4
 """Largest relative error of rounding a value in e4m3's normal range (|v| >= 2^-6) to nearest: half of 2^-3."""
@@ -87,13 +79,17 @@ try:
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
-except ImportError:  # pragma: no cover - depends on the torch build; gelu_quant_problem reports it
+except ImportError:  # pragma: no cover - depends on the torch build; gelu_quant_capability reports it
     triton = None
 
 
-def norm_quant_problem(device: torch.device, n_columns: int) -> str | None:
-    """Why the kernel cannot run for rows of ``n_columns`` on ``device``, or None when it can."""
-    return gelu_quant_problem(device, n_columns)
+def norm_quant_capability(device: torch.device, n_columns: int) -> Capability:
+    """Whether the kernels can run for rows of ``n_columns`` on ``device`` (CUDA, Triton, at most
+    :data:`.gelu_quant.MAX_COLUMNS` columns)."""
+    capability = gelu_quant_capability(device, n_columns)
+    if not capability.ok:
+        return capability
+    return Capability.yes(f"Triton LayerNorm + modulation + quantize kernel on {device}")
 
 
 def _modulation_rows(tokens_total: int, tokens: int, sets: int, selector: torch.Tensor | None,
@@ -224,8 +220,7 @@ if triton is not None:
                                     n_rows, tokens, sets, stride_x, stride_y, stride_mod, gate_off, shift_off,
                                     scale_off, eps, HAS_SELECTOR: tl.constexpr,  # noqa: N803
                                     RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,  # noqa: N803
-                                    BLOCK: tl.constexpr, NORMS: tl.constexpr, INTERPRET: tl.constexpr,  # noqa: N803
-                                    EXACT_NORMS: tl.constexpr = False):  # noqa: N803
+                                    BLOCK: tl.constexpr, NORMS: tl.constexpr, INTERPRET: tl.constexpr):  # noqa: N803
         """ROWS rows per program as a (ROWS, BLOCK) tile per chunk, rows of exactly 3 * BLOCK columns.
 
         Each reduction (mean, variance, amax) is one cross-warp reduction for all ROWS rows: the three
@@ -261,7 +256,7 @@ if triton is not None:
         m1 = _modulated_chunk(x1, mean, rstd, shift_row + BLOCK, scale_row + BLOCK, cols, live2, False)
         m2 = _modulated_chunk(x2, mean, rstd, shift_row + 2 * BLOCK, scale_row + 2 * BLOCK, cols, live2, False)
         peak = tl.maximum(tl.maximum(tl.abs(m0), tl.abs(m1)), tl.abs(m2))
-        if NORMS and not EXACT_NORMS:  # the row's sum of squares rides along in the amax reduction (one round)
+        if NORMS:  # the row's sum of squares rides along in the amax reduction (one round)
             amax, sum_sq = tl.reduce((peak, m0 * m0 + m1 * m1 + m2 * m2), 1, _max_and_sum)
         else:
             amax = tl.max(peak, axis=1)
@@ -275,26 +270,23 @@ if triton is not None:
         tl.store(out_row + BLOCK + cols, c1, mask=live2)
         tl.store(out_row + 2 * BLOCK + cols, c2, mask=live2)
         tl.store(scale_ptr + rows, scale, mask=live)
-        if NORMS and EXACT_NORMS:  # ||codes|| * scale from the codes themselves
-            f0, f1, f2 = c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32)
-            tl.store(norm_ptr + rows, tl.sqrt(tl.sum(f0 * f0 + f1 * f1 + f2 * f2, axis=1)) * scale, mask=live)
-        elif NORMS:  # an upper bound of ||codes|| * scale (module docstring, "Row norms")
+        if NORMS:  # an upper bound of ||codes|| * scale (module docstring, "Row norms")
             subnormal = _E4M3_SUBNORMAL_ROUNDING * tl.sqrt(n_cols * 1.0) * scale
             bound = (1.0 + _E4M3_REL_ROUNDING) * tl.sqrt(sum_sq) + subnormal
             tl.store(norm_ptr + rows, bound, mask=live)
 
-    def _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, residual, num_warps, split_rows,
-                rows_per_program, with_norms=False, norms_from_codes=False):
+    def _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, residual, num_warps, rows_per_program,
+                with_norms=False):
         """residual: None or (y2d, bias or None, gate_index, new2d). Returns (x8, scale, norms): norms (rows, 1)
-        float32 with ``with_norms`` (upper bounds of :func:`quantized_row_norms`' values, or those values with
-        ``norms_from_codes``), else (0, 1)."""
+        float32 with ``with_norms`` (upper bounds of :func:`quantized_row_norms`' values from the multi-row kernel,
+        those values from the one-row kernel), else (0, 1)."""
         rows, cols = x2d.shape
         out = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x2d.device)
         scale = torch.empty((rows, 1), dtype=torch.float32, device=x2d.device)
         norms = torch.empty((rows if with_norms else 0, 1), dtype=torch.float32, device=x2d.device)
         sets = mod.shape[0] // 2 if selector is not None else mod.shape[0]
         y2d, bias, gate_index, new2d = residual if residual is not None else (x2d, None, 0, x2d)
-        chunks, block = row_chunks(cols, split_rows)
+        chunks, block = row_chunks(cols)
         common = {"HAS_SELECTOR": selector is not None, "RESIDUAL": residual is not None,
                   "HAS_BIAS": bias is not None, "BLOCK": block, "INTERPRET": interpreter_active(),
                   "num_warps": num_warps}
@@ -304,7 +296,7 @@ if triton is not None:
             wrap_triton(_modulate_quant_rows_kernel)[(triton.cdiv(rows, rows_per_program),)](
                 *args, norms if with_norms else scale, rows, tokens, sets, x2d.stride(0), y2d.stride(0),
                 mod.stride(0), gate_index * cols, shift_index * cols, scale_index * cols, eps, ROWS=rows_per_program,
-                NORMS=with_norms, EXACT_NORMS=norms_from_codes, **common)
+                NORMS=with_norms, **common)
         else:
             wrap_triton(_modulate_quant_kernel)[(rows,)](
                 *args, cols, tokens, sets, x2d.stride(0), y2d.stride(0), mod.stride(0), gate_index * cols,
@@ -316,24 +308,21 @@ if triton is not None:
     @triton_op(OP_NAME, mutates_args={})
     def _modulate_quantize_op(x2d: torch.Tensor, tokens: int, eps: float, mod: torch.Tensor, n_params: int,
                               shift_index: int, scale_index: int, selector: torch.Tensor | None,
-                              num_warps: int = DEFAULT_WARPS, split_rows: bool = True,
-                              rows_per_program: int = DEFAULT_ROWS, with_norms: bool = False,
-                              norms_from_codes: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, None, num_warps, split_rows,
-                       rows_per_program, with_norms, norms_from_codes)
+                              num_warps: int = DEFAULT_WARPS, rows_per_program: int = DEFAULT_ROWS,
+                              with_norms: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector, None, num_warps, rows_per_program,
+                       with_norms)
 
     @triton_op(RESIDUAL_OP_NAME, mutates_args={})
     def _residual_modulate_quantize_op(x2d: torch.Tensor, y2d: torch.Tensor, bias: torch.Tensor | None, tokens: int,
                                        eps: float, mod: torch.Tensor, n_params: int, gate_index: int,
                                        shift_index: int, scale_index: int, selector: torch.Tensor | None,
-                                       num_warps: int = DEFAULT_WARPS, split_rows: bool = True,
-                                       rows_per_program: int = DEFAULT_ROWS, with_norms: bool = False,
-                                       norms_from_codes: bool = False
+                                       num_warps: int = DEFAULT_WARPS, rows_per_program: int = DEFAULT_ROWS,
+                                       with_norms: bool = False
                                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         new2d = torch.empty_like(x2d)
         out, scale, norms = _launch(x2d, tokens, eps, mod, shift_index, scale_index, selector,
-                                    (y2d, bias, gate_index, new2d), num_warps, split_rows, rows_per_program,
-                                    with_norms, norms_from_codes)
+                                    (y2d, bias, gate_index, new2d), num_warps, rows_per_program, with_norms)
         return new2d, out, scale, norms
 
 
@@ -343,49 +332,54 @@ def quantized_row_norms(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def modulate_quantize_rowwise(x: torch.Tensor, eps: float, mod: torch.Tensor, n_params: int, shift_index: int,
-                              scale_index: int, selector: torch.Tensor | None = None, with_norms: bool = False
+                              scale_index: int, selector: torch.Tensor | None = None, with_norms: bool = False, *,
+                              num_warps: int = DEFAULT_WARPS, rows_per_program: int = DEFAULT_ROWS
                               ) -> tuple[torch.Tensor, ...]:
     """Fused ``quantize_rowwise(LayerNorm(x) * (1 + scale) + shift)`` (layout: module docstring).
 
     x: [B, S, D] bf16 CUDA; mod: [R, n_params * D] with contiguous rows; selector: None, or a bool
     tensor of S elements ([S] or [1, S, 1]). Returns (x8 [B * S, D] float8_e4m3fn, scale [B * S, 1]
     float32), and with ``with_norms`` also norms [B * S, 1] float32 (upper bounds of :func:`quantized_row_norms`:
-    module docstring, "Row norms"). Raises ValueError with the reason where the kernel cannot run.
+    module docstring, "Row norms"). ``num_warps`` / ``rows_per_program``: the launch (:data:`DEFAULT_WARPS`,
+    :data:`DEFAULT_ROWS`; ``rows_per_program`` 0 runs the one-row kernel). Raises ValueError with the reason where
+    the kernel cannot run.
     """
-    problem = norm_quant_problem(x.device, x.shape[-1])
-    if problem is not None:
-        raise ValueError(problem)
+    capability = norm_quant_capability(x.device, x.shape[-1])
+    if not capability.ok:
+        raise ValueError(capability.reason)
     if x.dtype != torch.bfloat16 or x.dim() != 3 or mod.dim() != 2 or mod.stride(-1) != 1:
         raise ValueError(f"modulate_quantize_rowwise takes x [B, S, D] bf16 and mod [R, C] with contiguous rows, "
                          f"got x {x.dtype} {tuple(x.shape)}, mod {tuple(mod.shape)} strides {mod.stride()}")
     sel = None if selector is None else selector.reshape(-1).to(torch.uint8)
     x8, scale, norms = _modulate_quantize_op(x.reshape(-1, x.shape[-1]).contiguous(), x.shape[1], float(eps), mod,
-                                             n_params, shift_index, scale_index, sel, DEFAULT_WARPS,
-                                             gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, with_norms, NORMS_FROM_CODES)
+                                             n_params, shift_index, scale_index, sel, num_warps, rows_per_program,
+                                             with_norms)
     return (x8, scale, norms) if with_norms else (x8, scale)
 
 
 def residual_modulate_quantize_rowwise(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, eps: float,
                                        mod: torch.Tensor, n_params: int, gate_index: int, shift_index: int,
                                        scale_index: int, selector: torch.Tensor | None = None,
-                                       with_norms: bool = False) -> tuple[torch.Tensor, ...]:
+                                       with_norms: bool = False, *, num_warps: int = DEFAULT_WARPS,
+                                       rows_per_program: int = DEFAULT_ROWS) -> tuple[torch.Tensor, ...]:
     """Fused gated residual update, then :func:`modulate_quantize_rowwise` of the updated stream.
 
     ``new = x + gate * (y + bias)`` (bf16 roundings as eager's bias add and ``addcmul``; ``gate`` the
     modulation vector at ``gate_index``, chosen per token as shift and scale are), then the quantized
     ``LayerNorm(new) * (1 + scale) + shift``. x: [B, S, D] bf16 CUDA; y: [B * S, D] bf16 with contiguous rows;
     bias: [D] or None. Returns (new [B, S, D] bf16, x8 [B * S, D] float8_e4m3fn, scale [B * S, 1] float32), and
-    with ``with_norms`` also norms [B * S, 1] float32 (upper bounds of :func:`quantized_row_norms`).
+    with ``with_norms`` also norms [B * S, 1] float32 (upper bounds of :func:`quantized_row_norms`). ``num_warps``
+    / ``rows_per_program`` as :func:`modulate_quantize_rowwise`'s.
     """
-    problem = norm_quant_problem(x.device, x.shape[-1])
-    if problem is not None:
-        raise ValueError(problem)
+    capability = norm_quant_capability(x.device, x.shape[-1])
+    if not capability.ok:
+        raise ValueError(capability.reason)
     if x.dtype != torch.bfloat16 or x.dim() != 3 or y.dtype != torch.bfloat16 or y.dim() != 2 or y.stride(-1) != 1:
         raise ValueError(f"residual_modulate_quantize_rowwise takes x [B, S, D] and y [B * S, D] bf16 with contiguous "
                          f"rows, got x {x.dtype} {tuple(x.shape)}, y {y.dtype} {tuple(y.shape)}")
     sel = None if selector is None else selector.reshape(-1).to(torch.uint8)
     new, x8, scale, norms = _residual_modulate_quantize_op(
         x.reshape(-1, x.shape[-1]).contiguous(), y, bias.to(y.dtype).contiguous() if bias is not None else None,
-        x.shape[1], float(eps), mod, n_params, gate_index, shift_index, scale_index, sel, DEFAULT_WARPS,
-        gelu_quant.SPLIT_ROWS, DEFAULT_ROWS, with_norms, NORMS_FROM_CODES)
+        x.shape[1], float(eps), mod, n_params, gate_index, shift_index, scale_index, sel, num_warps, rows_per_program,
+        with_norms)
     return (new.reshape(x.shape), x8, scale, norms) if with_norms else (new.reshape(x.shape), x8, scale)

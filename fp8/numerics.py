@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .capability import require_backend
+from .backend_checks import require_backend
 from .config import Fp8Config
 from .quant import relative_error
 from .swap import KEPT, ConversionReport, LayerFilter, _convert, plan_linears, quantize_linears

@@ -21,7 +21,7 @@ the GEMM output to bf16 before adding the bias).
 
 Limits: CUDA, bf16 input of at most :data:`MAX_ROWS` rows, e4m3 weights with per-output-channel scales,
 bf16 biases (all layers or none), equal (N, K) in a group, K divisible by :data:`BLOCK_K`. Callers check
-:func:`shared_input_problem`. The weights are read through raw addresses, so a group re-reads them (and
+:func:`shared_input_capability`. The weights are read through raw addresses, so a group re-reads them (and
 rebuilds its table) whenever a layer's weight, scale or bias storage changed. An address that is not a multiple of
 16 bytes (a view at an odd offset) runs without the alignment hint: correct, and about half the speed.
 """
@@ -34,11 +34,12 @@ from collections.abc import Sequence
 import torch
 
 from .attention.triton_fp8 import interpreter_active
+from .capability import Capability
 from .linear import Fp8Linear, ScaledMMLinear, WeightOnlyLinear
 from .quant import FP8_DTYPE
 
 __all__ = ["BLOCK_K", "FMA_CONFIG", "MAX_ROWS", "ONE_ROW_CONFIG", "SharedInputLinears",
-           "default_config", "reference_shared_input", "shared_input_problem"]
+           "default_config", "reference_shared_input", "shared_input_capability"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def default_config(rows: int, in_features: int) -> tuple:
 try:
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the torch build; shared_input_problem reports it
+except ImportError:  # pragma: no cover - depends on the torch build; shared_input_capability reports it
     triton = None
 
 
@@ -84,32 +85,32 @@ def _kind(layer: torch.nn.Module) -> str | None:
     return None
 
 
-def shared_input_problem(layers: Sequence[torch.nn.Module]) -> str | None:
-    """Why ``layers`` cannot run as one :class:`SharedInputLinears` launch, or None when they can."""
+def shared_input_capability(layers: Sequence[torch.nn.Module]) -> Capability:
+    """Whether ``layers`` can run as one :class:`SharedInputLinears` launch."""
     if triton is None:
-        return "Triton is not installed"
+        return Capability.no("Triton is not installed")
     if not layers:
-        return "no layers"
+        return Capability.no("no layers")
     kinds = {_kind(layer) for layer in layers}
     if None in kinds or len(kinds) != 1:
-        return "the layers must all be row-wise ScaledMMLinear (not emulated) or all WeightOnlyLinear"
+        return Capability.no("the layers must all be row-wise ScaledMMLinear (not emulated) or all WeightOnlyLinear")
     first = layers[0]
     if any(layer.weight.shape != first.weight.shape for layer in layers):
-        return "the layers' weights differ in shape"
+        return Capability.no("the layers' weights differ in shape")
     if first.in_features % BLOCK_K:
-        return f"in_features={first.in_features} is not divisible by {BLOCK_K}"
+        return Capability.no(f"in_features={first.in_features} is not divisible by {BLOCK_K}")
     if any(layer.weight.dtype != FP8_DTYPE or tuple(layer.weight_scale.shape) != (layer.out_features, 1)
            for layer in layers):  # fmt: skip
-        return "every weight must be e4m3 with one float32 scale per output channel"
+        return Capability.no("every weight must be e4m3 with one float32 scale per output channel")
     with_bias = {layer.bias is not None for layer in layers}
     if len(with_bias) != 1 or (True in with_bias and any(layer.bias.dtype != torch.bfloat16 for layer in layers)):
-        return "the layers must all have bf16 biases, or none"
+        return Capability.no("the layers must all have bf16 biases, or none")
     device = first.weight.device
     if device.type != "cuda" and not interpreter_active():
-        return f"the kernel needs CUDA tensors (the weights are on {device})"
+        return Capability.no(f"the kernel needs CUDA tensors (the weights are on {device})")
     if any(layer.weight.device != device for layer in layers):
-        return "the layers are on different devices"
-    return None
+        return Capability.no("the layers are on different devices")
+    return Capability.yes(f"{len(layers)} layers in one shared-input Triton launch")
 
 
 def reference_shared_input(layers: Sequence[Fp8Linear], x: torch.Tensor) -> torch.Tensor:
@@ -230,13 +231,13 @@ class SharedInputLinears:
 
     ``SharedInputLinears(layers)(x)`` with x (R, K) bf16, R <= :data:`MAX_ROWS`, returns (L, R, N) bf16:
     ``out[i]`` is ``layers[i](x)`` (numerics: module docstring). Raises ValueError with the reason where
-    the kernel cannot run (:func:`shared_input_problem`). Holds the layers' tensors while it lives.
+    the kernel cannot run (:func:`shared_input_capability`). Holds the layers' tensors while it lives.
     """
 
     def __init__(self, layers: Sequence[Fp8Linear]):
-        problem = shared_input_problem(layers)
-        if problem is not None:
-            raise ValueError(f"shared-input fp8 linears: {problem}")
+        capability = shared_input_capability(layers)
+        if not capability.ok:
+            raise ValueError(f"shared-input fp8 linears: {capability.reason}")
         self.layers = tuple(layers)
         self.quantized_input = _kind(self.layers[0]) == "scaled_mm"
         self.out_features, self.in_features = self.layers[0].weight.shape
@@ -273,9 +274,10 @@ class SharedInputLinears:
                              f"{x.dtype} {tuple(x.shape)}")
         if self._addresses() != self._signature:
             logger.debug("shared-input fp8 linears: a layer's storage changed; rebuilding the address table")
-            problem = shared_input_problem(self.layers)
-            if problem is not None:  # a layer moved off the GPU or was replaced by another kind
-                raise ValueError(f"shared-input fp8 linears: a layer changed and the group cannot run: {problem}")
+            capability = shared_input_capability(self.layers)
+            if not capability.ok:  # a layer moved off the GPU or was replaced by another kind
+                raise ValueError(f"shared-input fp8 linears: a layer changed and the group cannot run: "
+                                 f"{capability.reason}")
             self._tables()
         x = x.contiguous()
         if self.quantized_input:

@@ -15,13 +15,13 @@ shape (K -> N), M=300  cuBLASLt (us)       this kernel (us)       config
 12288 -> 3072 (down)   32.5                31.8 (not used)        -
 =====================  ==================  =====================  ================
 
-The down-projection's K split (:data:`SPLIT_K_CONFIGS`, twelfth session, bench/text_down_split_bench.py) took
-32.3 us against cuBLASLt's 32.5 (more exact: 2.4e-3 against 3.1e-3 from the exact product); it stays off.
-
 At M = 600 (true CFG batched) cuBLASLt was as fast or faster for every shape, so :func:`small_m_config`
 answers only for 16 < M <= :data:`MAX_ROWS` and the QKV and MLP up-projection shapes; everything else keeps
-``torch._scaled_mm``. The output projection's config is kept as :data:`OUTPUT_PROJECTION_CONFIG` but not used: in
-the forward it runs right after the attention kernel, where this kernel measured slower than cuBLASLt.
+``torch._scaled_mm``. The output projection (3072 -> 3072) stays with cuBLASLt: alone this kernel took 9.8 us
+against 11.4, but in the compiled block, right after the attention kernel, 41 us against 15 (H200 timelines;
+forward 179.36 -> 178.61 ms with cuBLASLt). Splitting the down-projection's K in two took 32.3 us against
+cuBLASLt's 32.5: not kept. Callers that want cuBLASLt for every shape skip :func:`small_m_config`
+(``ScaledMMLinear.gemm(..., small_m=False)``; the fast forward's ``ForwardOptions.small_m_gemm``).
 
 Numerics: e4m3 x e4m3 products accumulated in float32 by Hopper's wgmma with Triton's sm_90 default
 (no periodic promotion: the same "fast accumulation" as ``use_fast_accum=True``, so only layers built
@@ -43,8 +43,7 @@ import torch
 
 from .quant import FP8_DTYPE
 
-__all__ = ["CONFIGS", "ENABLED", "MAX_ROWS", "MIN_ROWS", "OP_NAME", "OUTPUT_PROJECTION_CONFIG", "SPLIT_K",
-           "SPLIT_K_CONFIGS", "config_for_shape", "fp8_gemm_small_m", "small_m_config"]
+__all__ = ["CONFIGS", "MAX_ROWS", "MIN_ROWS", "OP_NAME", "config_for_shape", "fp8_gemm_small_m", "small_m_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,25 +62,7 @@ CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
     (3072, 12288): (64, 256, 128, 4, 4),
 }
 """(K, N) -> (BM, BN, BK, warps, stages): the fastest of 72 tile configurations per shape at M = 300 on an
-H200 (bench/text_gemm_bench.py, docs/benchmarks.md, eighth session)."""
-
-OUTPUT_PROJECTION_CONFIG = (64, 128, 128, 4, 4)
-"""The fastest config for the text stream's output projection (3072 -> 3072 at M = 300) alone, 9.8 us against
-cuBLASLt's 11.4; not in :data:`CONFIGS`. In the compiled block that projection runs right after the attention kernel,
-and there this kernel took 41 us against cuBLASLt's 15 (H200 timelines; forward A/B 179.36 -> 178.61 ms with
-cuBLASLt; docs/benchmarks.md, fifteenth session). Why only this kernel slows down there is not established."""
-
-SPLIT_K_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
-    (12288, 3072): (64, 128, 128, 4, 4, 2),
-}
-"""(K, N) -> (BM, BN, BK, warps, stages, K splits) for shapes whose output tiles alone leave SMs idle (the
-MLP down-projection: 24 column tiles). Taken only while :data:`SPLIT_K` is on."""
-
-SPLIT_K = False
-"""Switch for the split-K configs (A/B benches). Read when a call is traced (Dynamo guards on it)."""
-
-ENABLED = True
-"""Switch for A/B benches. Read when a call is traced (Dynamo guards on it, so flipping it recompiles)."""
+H200."""
 
 try:  # Triton ships with CUDA builds of torch; without it the layers keep torch._scaled_mm.
     import triton
@@ -94,24 +75,22 @@ else:
     _TRITON_MISSING = None
 
 
-def config_for_shape(m: int, k: int, n: int, capability: tuple[int, int]) -> tuple[int, ...] | None:
-    """(BM, BN, BK, warps, stages[, K splits]) for an M x K x N row-wise GEMM on a GPU of ``capability``, or
-    None (cuBLASLt): compute capability 9.0, MIN_ROWS <= M <= MAX_ROWS and (K, N) in :data:`CONFIGS` (or in
-    :data:`SPLIT_K_CONFIGS` while :data:`SPLIT_K` is on)."""
-    if tuple(capability) != (9, 0) or not MIN_ROWS <= m <= MAX_ROWS:
+def config_for_shape(m: int, k: int, n: int, capability: tuple[int, int] | None) -> tuple[int, ...] | None:
+    """(BM, BN, BK, warps, stages) for an M x K x N row-wise GEMM on a GPU of ``capability``, or None (cuBLASLt):
+    compute capability 9.0, MIN_ROWS <= M <= MAX_ROWS and (K, N) in :data:`CONFIGS`."""
+    if capability is None or tuple(capability) != (9, 0) or not MIN_ROWS <= m <= MAX_ROWS:
         return None
-    return CONFIGS.get((k, n)) or (SPLIT_K_CONFIGS.get((k, n)) if SPLIT_K else None)
+    return CONFIGS.get((k, n))
 
 
 def small_m_config(x8: torch.Tensor, w8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype,
                    fast_accum: bool) -> tuple[int, ...] | None:
     """The tile config when the small-M kernel should run this row-wise GEMM, else None (cuBLASLt).
 
-    Takes it only for: :data:`ENABLED`, Triton importable, CUDA tensors, fast accumulation, bf16 output,
-    e4m3 operands, row-wise input scales ([M, 1] float32), contiguous input rows, a contiguous weight and
-    :func:`config_for_shape`.
+    Takes it only for: Triton importable, CUDA tensors, fast accumulation, bf16 output, e4m3 operands, row-wise
+    input scales ([M, 1] float32), contiguous input rows, a contiguous weight and :func:`config_for_shape`.
     """
-    if not ENABLED or _TRITON_MISSING is not None or not fast_accum or out_dtype != torch.bfloat16:
+    if _TRITON_MISSING is not None or not fast_accum or out_dtype != torch.bfloat16:
         return None
     if not x8.is_cuda or x8.dtype != FP8_DTYPE or w8.dtype != FP8_DTYPE or x8.dim() != 2:
         return None
@@ -127,33 +106,25 @@ if triton is not None:
 
     @triton.jit
     def _fp8_gemm_small_m_kernel(x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_xs,  # noqa: N803
-                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,  # noqa: N803
-                                 SPLIT: tl.constexpr):  # noqa: N803
-        """out[m, n] = bf16(xs[m] * ws[n] * sum_k x[m, k] w[n, k]); one program per (BM, BN) tile and K split.
+                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # noqa: N803
+        """out[m, n] = bf16(xs[m] * ws[n] * sum_k x[m, k] w[n, k]); one program per (BM, BN) tile.
 
         Row tiles run fastest (program id % row tiles), so the 5 tiles of M = 300 that share a weight tile
         are scheduled together and the weight tile is read from HBM about once. Needs N % BN == 0 and
-        K % (BK * SPLIT) == 0 (the configs' shapes). With SPLIT > 1, grid axis 1 is the split: each program
-        sums its K / SPLIT range and writes float32 ``xs[m] * ws[n] * partial`` to out[split, m, n].
+        K % BK == 0 (the configs' shapes).
         """
         pid = tl.program_id(0)
-        split = tl.program_id(1)
         num_m = tl.cdiv(M, BM)
         pid_m = pid % num_m
         pid_n = pid // num_m
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
-        if SPLIT == 1:
-            k_len = K
-            offs_k = tl.arange(0, BK)
-        else:  # the split's first column, a multiple of BK (unknown to Triton: unaligned loads without the hint)
-            k_len = K // SPLIT
-            offs_k = tl.multiple_of(split * k_len, BK) + tl.arange(0, BK)
+        offs_k = tl.arange(0, BK)
         a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
         b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
         row_ok = offs_m[:, None] < M
         acc = tl.zeros((BM, BN), tl.float32)
-        for _ in range(0, k_len, BK):
+        for _ in range(0, K, BK):
             a = tl.load(a_ptrs, mask=row_ok, other=0.0)
             b = tl.load(b_ptrs)
             acc = tl.dot(a, b, acc)
@@ -162,24 +133,18 @@ if triton is not None:
         xs = tl.load(xs_ptr + offs_m * stride_xs, mask=offs_m < M, other=0.0)
         ws = tl.load(ws_ptr + offs_n)
         acc = acc * xs[:, None] * ws[None, :]
-        out_ptrs = out_ptr + split * M * N + offs_m[:, None] * N + offs_n[None, :]
-        if SPLIT == 1:
-            tl.store(out_ptrs, acc.to(tl.bfloat16), mask=row_ok)
-        else:
-            tl.store(out_ptrs, acc, mask=row_ok)
+        out_ptrs = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(tl.bfloat16), mask=row_ok)
 
     @triton_op(OP_NAME, mutates_args={})
     def _fp8_gemm_small_m_op(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                             bm: int, bn: int, bk: int, warps: int, stages: int, split: int = 1) -> torch.Tensor:
+                             bm: int, bn: int, bk: int, warps: int, stages: int) -> torch.Tensor:
         m, k = x8.shape
         n = w8.shape[0]
-        if split == 1:
-            out = torch.empty((m, n), dtype=torch.bfloat16, device=x8.device)
-        else:
-            out = torch.empty((split, m, n), dtype=torch.float32, device=x8.device)
-        wrap_triton(_fp8_gemm_small_m_kernel)[(triton.cdiv(m, bm) * (n // bn), split)](
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=x8.device)
+        wrap_triton(_fp8_gemm_small_m_kernel)[(triton.cdiv(m, bm) * (n // bn),)](
             x8, w8, x_scale, w_scale, out, m, n, k, x8.stride(0), x_scale.stride(0),
-            BM=bm, BN=bn, BK=bk, SPLIT=split, num_warps=warps, num_stages=stages,
+            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
         )
         return out
 
@@ -188,19 +153,14 @@ def fp8_gemm_small_m(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, 
                      config: tuple[int, ...]) -> torch.Tensor:
     """x8 [M, K] e4m3, x_scale [M, 1] float32, w8 [N, K] e4m3, w_scale [N, 1] float32 -> [M, N] bf16.
 
-    ``config`` from :func:`small_m_config` (which checks every limit): (BM, BN, BK, warps, stages[, split]).
-    With a K split of 2 or more the kernel writes float32 partials [split, M, N] and their sum is taken
-    here, in torch ops, so that under ``torch.compile`` Inductor folds it into the consumer's pass (the bias
-    add and the residual update). Raises ValueError where a shape does not fit the config's tiles.
+    ``config`` from :func:`small_m_config` (which checks every limit): (BM, BN, BK, warps, stages). Raises
+    ValueError where a shape does not fit the config's tiles.
     """
     if _TRITON_MISSING is not None:
         raise ValueError(_TRITON_MISSING)
-    bm, bn, bk, warps, stages, *rest = config
-    split = rest[0] if rest else 1
+    bm, bn, bk, warps, stages = config
     k, n = x8.shape[1], w8.shape[0]
-    if n % bn or k % (bk * split) or w8.shape[1] != k:
+    if n % bn or k % bk or w8.shape[1] != k:
         raise ValueError(f"fp8_gemm_small_m: weight {tuple(w8.shape)} and input {tuple(x8.shape)} do not fit "
-                         f"tiles of {bn} columns x {bk} inner in {split} K splits")
-    out = _fp8_gemm_small_m_op(x8, x_scale, w8, w_scale.reshape(n, 1).contiguous(), bm, bn, bk, warps, stages,
-                               split)
-    return out if split == 1 else out.sum(0).to(torch.bfloat16)
+                         f"tiles of {bn} columns x {bk} inner")
+    return _fp8_gemm_small_m_op(x8, x_scale, w8, w_scale.reshape(n, 1).contiguous(), bm, bn, bk, warps, stages)

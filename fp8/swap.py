@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .capability import require_backend
+from .backend_checks import require_backend
 from .config import Fp8Config
 from .errors import Fp8Error, Fp8ShapeError
-from .linear import Fp8Linear, ScaledMMLinear, WeightOnlyLinear, scaled_mm_shape_problem
+from .linear import Fp8Linear, ScaledMMLinear, WeightOnlyLinear, scaled_mm_shape_capability
 from .presets import ROLE_COMPUTE, ROLE_KEEP, ROLE_STORAGE
 from .te_backend import TeLinear, build_recipe
 
@@ -45,6 +45,7 @@ __all__ = [
     "LayerDecision",
     "LayerFilter",
     "dequantize_module",
+    "merge_reports",
     "module_bytes",
     "plan_linears",
     "quantize_linears",
@@ -200,18 +201,20 @@ def _decide(name: str, layer: nn.Linear, config: Fp8Config, layer_filter: LayerF
         return LayerDecision(name, STORAGE, "weight_only", "fp8 storage, bf16 compute (backend weight_only)", n_in,
                              n_out)
     what = "Transformer Engine" if config.backend == "te" else "torch._scaled_mm"
-    problem = scaled_mm_shape_problem(n_in, n_out, what)
-    if problem is not None:
+    shape = scaled_mm_shape_capability(n_in, n_out, what)
+    if not shape.ok:
         if config.force:
-            raise Fp8ShapeError(f"{name}: {problem}")
-        return kept(problem)
+            raise Fp8ShapeError(f"{name}: {shape.reason}")
+        return kept(shape.reason)
     return LayerDecision(name, COMPUTE, config.backend, reason, n_in, n_out)
 
 
-def plan_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFilter | None = None) -> tuple[
-        LayerDecision, ...]:
+def plan_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFilter | None = None,
+                 scope: Callable[[str], bool] | None = None) -> tuple[LayerDecision, ...]:
     """Decisions :func:`quantize_linears` would take, without changing anything (no capability check).
 
+    ``scope(qualified_name) -> bool`` limits the decisions to the linears it accepts (None: all); a model
+    converted part by part (one block at a time) passes the part's names.
     Raises :class:`~.errors.Fp8ShapeError` under ``config.force`` for a selected layer it cannot convert.
     """
     if not isinstance(module, nn.Module):
@@ -220,6 +223,8 @@ def plan_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFilter
         raise TypeError(f"config must be an Fp8Config, got {type(config).__name__}")
     decisions = []
     for name, layer in module.named_modules():
+        if scope is not None and not scope(name):
+            continue
         if isinstance(layer, (Fp8Linear, TeLinear)):
             decisions.append(LayerDecision(name, KEPT, None, f"already fp8 ({type(layer).__name__})",
                                            layer.in_features, layer.out_features))
@@ -255,21 +260,23 @@ def _notes(config: Fp8Config, capability_reason: str) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def quantize_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFilter | None = None
-                     ) -> ConversionReport:
+def quantize_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFilter | None = None,
+                     scope: Callable[[str], bool] | None = None) -> ConversionReport:
     """Convert ``module``'s linears in place (the caller owns ``module``) and report every decision.
 
     module: any ``nn.Module`` holding ``nn.Linear`` children (weights bf16 / fp16
     / fp32 on any device for scaled-mm and weight-only; on CUDA for ``te``).
     config: :class:`~.config.Fp8Config`. layer_filter: ``(linear, qualified_name)
-    -> bool``, see the module docstring.
+    -> bool``, see the module docstring. scope: ``qualified_name -> bool``, the
+    linears to look at (None: all; see :func:`plan_linears`); the report's bytes
+    are then those of the whole module.
 
     Returns a :class:`ConversionReport`. Raises Fp8UnavailableError (backend
     cannot run here, with the reason), Fp8ShapeError (``force`` and a layer it
     cannot take), Fp8Error (meta weights; TE weight check), TypeError (bad args).
     """
     started = time.perf_counter()
-    decisions = plan_linears(module, config, layer_filter)
+    decisions = plan_linears(module, config, layer_filter, scope)
     capability = require_backend(config)
     recipe = build_recipe(config.te_recipe) if config.backend == "te" else None
     bytes_before = module_bytes(module)
@@ -292,3 +299,16 @@ def quantize_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFi
                               module_bytes(module), time.perf_counter() - started)
     logger.info("%s", report.summary())
     return report
+
+
+def merge_reports(reports: list[ConversionReport], bytes_before: int, bytes_after: int) -> ConversionReport:
+    """One report for a module converted part by part (:func:`quantize_linears` with ``scope``).
+
+    Decisions in the parts' order, each note once, seconds summed; ``bytes_before`` / ``bytes_after`` are the
+    caller's totals for the whole module (a part's own report counts the module as it was at that moment).
+    """
+    if not reports:
+        raise ValueError("merge_reports: no reports")
+    notes = tuple(dict.fromkeys(note for report in reports for note in report.notes))
+    return ConversionReport(reports[0].config, tuple(d for report in reports for d in report.decisions), notes,
+                            bytes_before, bytes_after, sum(report.seconds for report in reports))

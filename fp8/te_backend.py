@@ -50,7 +50,7 @@ from torch import nn
 
 from .config import TeRecipeConfig
 from .errors import Fp8CalibrationError, Fp8Error, Fp8UnavailableError
-from .linear import scaled_mm_shape_problem
+from .linear import scaled_mm_shape_capability
 from .quant import E4M3_MAX, EPS, dequantize, pad_rows, quantize_tensorwise, relative_error
 
 __all__ = [
@@ -180,9 +180,9 @@ class TeLinear(nn.Module):
         if weight.device.type != "cuda":
             raise Fp8UnavailableError(
                 f"{name}: Transformer Engine needs the layer on a CUDA device, found {weight.device}")
-        problem = scaled_mm_shape_problem(self.in_features, self.out_features, "Transformer Engine")
-        if problem is not None:
-            raise ValueError(f"{name}: {problem}")
+        shape = scaled_mm_shape_capability(self.in_features, self.out_features, "Transformer Engine")
+        if not shape.ok:
+            raise ValueError(f"{name}: {shape.reason}")
         self.recipe_config = recipe_config
         self.recipe = build_recipe(recipe_config) if recipe is None else recipe
         with torch.no_grad(), _te_model_init(self.recipe):

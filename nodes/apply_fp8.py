@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import comfy.model_management as mm
 from comfy_api.latest import io, ui
 
 from ..qwen_edit.plan import PipePlan
-from .common import CATEGORY, PIPE, NodeInputError, check_choices
+from .comfy_compat import check_choices
+from .common import CATEGORY, EMULATE, PIPE, REFUSE, WHERE_UNSUPPORTED, NodeInputError, where_unsupported_input
 
 BACKENDS = ["scaled_mm_rowwise", "te", "scaled_mm_tensorwise", "weight_only"]
 TE_RECIPES = ["current", "delayed", "block", "mxfp8", "nvfp4"]
@@ -16,18 +15,13 @@ MODULATION = ["fp8 storage", "bf16"]
 GEMM_KERNELS = ["cublaslt", "torch"]
 
 
-EMULATE_ENV = "QWEN_EDIT_FP8_EMULATE"
-"""Set to 1 (tests on CPU machines do) to run FP8 math in an fp32 reference path where the real backend
-cannot run: same quantization, no speed; the node's report says so. Never on by default."""
-
-
 def build_config(backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation,
-                 fast_accum=True, gemm_kernel="cublaslt"):
+                 fast_accum=True, gemm_kernel="cublaslt", where_unsupported=REFUSE):
     """The fp8 package's frozen config from the node's widgets (ValueError names a bad field).
 
     ``gemm_kernel`` applies to scaled_mm_rowwise only (other backends get ``torch``).
 
-    Returns (config, note): with QWEN_EDIT_FP8_EMULATE=1 and a backend that cannot run here, the config
+    Returns (config, note): with ``where_unsupported`` emulate and a backend that cannot run here, the config
     emulates it (Transformer Engine current scaling as per-tensor scaled-mm) and ``note`` says so.
     """
     from ..fp8 import Fp8Config, TeRecipeConfig, check_backend
@@ -40,15 +34,15 @@ def build_config(backend, te_recipe, fp8_format, amax_history_len, amax_compute_
     gemm_kernel = gemm_kernel if backend == "scaled_mm_rowwise" else "torch"
     config = Fp8Config(backend=backend, preset=layers, storage_layers=storage, te_recipe=recipe, fast_accum=fast_accum,
                        gemm_kernel=gemm_kernel)
-    if os.environ.get(EMULATE_ENV) != "1" or backend == "weight_only":
+    if where_unsupported != EMULATE or backend == "weight_only":
         return config, ""
     capability = check_backend(config, mm.get_torch_device())
     if capability.ok:
         return config, ""
     emulated = "scaled_mm_tensorwise" if backend == "te" else backend
     note = (
-        f"EMULATED: {backend} cannot run here ({capability.reason}); {EMULATE_ENV}=1 runs it as {emulated} "
-        "in an fp32 reference path (same quantization, no speed)"
+        f"EMULATED: {backend} cannot run here ({capability.reason}); where_unsupported: emulate runs it as "
+        f"{emulated} in an fp32 reference path (same quantization, no speed)"
     )
     return Fp8Config(backend=emulated, preset=layers, storage_layers=storage, emulate=True,
                      fast_accum=fast_accum, gemm_kernel=gemm_kernel if emulated == backend else "torch"), note
@@ -134,6 +128,7 @@ class ApplyFP8(io.ComfyNode):
                     "each large GEMM (H200: about 1.5 ms faster per forward, 4 ms per batched CFG step). Needs "
                     "Hopper and cuBLASLt 12.9+. torch: torch._scaled_mm. Other backends ignore it.",
                 ),
+                where_unsupported_input(),
             ],
             outputs=[
                 PIPE.Output(
@@ -146,7 +141,7 @@ class ApplyFP8(io.ComfyNode):
     @classmethod
     def validate_inputs(
         cls, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation, fast_accum,
-        gemm_kernel="cublaslt",
+        gemm_kernel="cublaslt", where_unsupported=REFUSE,
     ):
         from ..fp8 import check_backend, preset_names
 
@@ -154,25 +149,27 @@ class ApplyFP8(io.ComfyNode):
                                 fp8_format=(fp8_format, ["E4M3", "HYBRID"]),
                                 amax_compute_algo=(amax_compute_algo, ["max", "most_recent"]),
                                 layers=(layers, preset_names()), modulation=(modulation, MODULATION),
-                                gemm_kernel=(gemm_kernel, GEMM_KERNELS))
+                                gemm_kernel=(gemm_kernel, GEMM_KERNELS),
+                                where_unsupported=(where_unsupported, WHERE_UNSUPPORTED))
         if problem:
             return problem
         try:
             config, _ = build_config(
                 backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation, fast_accum,
-                gemm_kernel,
+                gemm_kernel, where_unsupported,
             )
         except (TypeError, ValueError) as error:
             return str(error)
         capability = check_backend(config, mm.get_torch_device())
         if not capability.ok:
-            return f"backend {backend} cannot run here: {capability.reason}"
+            return (f"backend {backend} cannot run here: {capability.reason} (set where_unsupported to emulate to "
+                    "check the workflow in an fp32 reference path, without speed)")
         return True
 
     @classmethod
     def execute(
         cls, pipe, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation,
-        fast_accum=True, gemm_kernel="cublaslt",
+        fast_accum=True, gemm_kernel="cublaslt", where_unsupported=REFUSE,
     ) -> io.NodeOutput:
         from ..fp8 import plan_linears
         from ..qwen_edit.checkpoints.shapes import dit_on_meta
@@ -182,7 +179,7 @@ class ApplyFP8(io.ComfyNode):
             raise NodeInputError("pipe: expected the output of Load Qwen Edit")
         config, note = build_config(
             backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation, fast_accum,
-            gemm_kernel,
+            gemm_kernel, where_unsupported,
         )
         decisions = plan_linears(dit_on_meta(pipe.files), config)
         lines = [f"FP8: {config.describe()}", *([note] if note else [])]

@@ -12,7 +12,8 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..qwen_edit.plan import PipePlan
-from ..qwen_edit.sampling import EditRequest
+from ..qwen_edit.sampling import EditRequest, steps_problem
+from .comfy_compat import diagnosis_lines
 from .comfy_memory import runtime
 from .common import CATEGORY, PIPE, NodeInputError
 from .sampler import resolve_size, tensor_to_pil
@@ -36,7 +37,8 @@ class Benchmark(io.ComfyNode):
                 PIPE.Input("pipe_1", tooltip="The reference variant (usually the bf16 baseline)."),
                 io.Image.Input("image", tooltip="The image to edit (RGB, one image)."),
                 io.String.Input("prompt", multiline=True, default="", tooltip="The edit instruction."),
-                io.Int.Input("steps", default=8, min=1, max=200, tooltip="Denoising steps per timed edit."),
+                io.Int.Input("steps", default=8, min=2, max=200,
+                             tooltip="Denoising steps per timed edit (at least 2: the default schedule is NaN at 1)."),
                 io.Int.Input("warmup", default=1, min=0, max=10,
                              tooltip="Untimed edits per variant first (the first one includes compilation)."),
                 io.Int.Input("repeats", default=2, min=1, max=20, tooltip="Timed edits per variant (median)."),
@@ -60,8 +62,8 @@ class Benchmark(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, steps, cfg):
-        if steps < 1:
-            return f"steps must be at least 1 (got {steps})"
+        if steps_problem("default", steps):  # the benchmark runs the default schedule
+            return steps_problem("default", steps)
         if cfg < 1:
             return f"cfg must be 1 or more (got {cfg})"
         return True
@@ -83,7 +85,8 @@ class Benchmark(io.ComfyNode):
         progress = comfy.utils.ProgressBar(len(plans) * (warmup + repeats))
         result = run_benchmark(runtime(), plans, request, warmup=warmup, repeats=repeats,
                                check_interrupt=mm.throw_exception_if_processing_interrupted,
-                               on_progress=lambda done, total: progress.update_absolute(done, total))
+                               on_progress=lambda done, total: progress.update_absolute(done, total),
+                               host_lines=tuple(diagnosis_lines()))
         stamp = time.strftime("%Y%m%d-%H%M%S")
         json_path = write_json(result, Path(folder_paths.get_output_directory()) / "qwen_edit_benchmark"
                                / f"benchmark-{stamp}.json")

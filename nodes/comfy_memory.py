@@ -16,6 +16,7 @@ import comfy.model_management as mm
 import comfy.model_patcher
 import torch
 
+from ..qwen_edit.compute_dtype import compute_dtype
 from ..qwen_edit.memory import Resident
 from ..qwen_edit.runtime import PlanRuntime, get_runtime
 
@@ -99,6 +100,16 @@ class ComfyHooks:
         if self.runtime.device.type != "cpu":
             mm.free_memory(nbytes * 1.1, self.runtime.device)
 
+    def available_bytes(self, device: torch.device) -> int:
+        """ComfyUI's free memory on ``device`` (its allocator's unused blocks included) plus every loaded model's
+        bytes there: ComfyUI unloads models to make room when we ``reserve``."""
+        unloadable = 0
+        for loaded in list(mm.current_loaded_models):
+            patcher = loaded.model
+            if patcher is not None and torch.device(loaded.device) == torch.device(device):
+                unloadable += patcher.loaded_size()
+        return int(mm.get_free_memory(device)) + unloadable
+
 
 def comfy_tokenizer_dir() -> Path:
     """ComfyUI's own Qwen2.5 tokenizer files (vocab.json, merges.txt, tokenizer_config.json)."""
@@ -110,7 +121,8 @@ def runtime() -> PlanRuntime:
 
     def factory() -> PlanRuntime:
         hooks = ComfyHooks()
-        rt = PlanRuntime(mm.get_torch_device(), torch.bfloat16, hooks=hooks, comfy_tokenizer_dir=comfy_tokenizer_dir())
+        device = mm.get_torch_device()
+        rt = PlanRuntime(device, compute_dtype(device), hooks=hooks, comfy_tokenizer_dir=comfy_tokenizer_dir())
         hooks.runtime = rt
         return rt
 

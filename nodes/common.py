@@ -18,6 +18,20 @@ NO_FOLDER = "(none: use the three files)"
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pt2", ".pth", ".bin", ".pkl")
 
 
+REFUSE, EMULATE = "refuse", "emulate"
+WHERE_UNSUPPORTED = [REFUSE, EMULATE]
+"""What a node does where this machine cannot run the kernel it was asked for."""
+
+
+def where_unsupported_input() -> io.Combo.Input:
+    """The ``where_unsupported`` widget of the nodes that choose fp8 kernels (Load's attention, Apply TE-FP8)."""
+    return io.Combo.Input(
+        "where_unsupported", options=WHERE_UNSUPPORTED, default=REFUSE, optional=True,
+        tooltip="Where this machine cannot run the chosen fp8 kernel (no Hopper GPU, a package missing): refuse "
+        "with the reason, or emulate: the same fp8 numerics in an fp32 reference path, without any speed, to check "
+        "a workflow on another machine. The node's output says EMULATED.")
+
+
 class NodeInputError(ValueError):
     """Bad input to one of our nodes; the message names the input and what to do."""
 
@@ -73,17 +87,6 @@ def check_model_file_choice(folder_name: str, name: str, input_name: str) -> Non
     if name.lower().endswith(PICKLE_SUFFIXES):
         raise NodeInputError(f"{input_name} '{name}' is a pickle checkpoint: pickles can run arbitrary code when "
                              "loaded, so this pack reads only .safetensors; use the .safetensors release of this model")
-
-
-def check_choices(**choices: tuple[object, list]) -> str | None:
-    """ComfyUI 0.3.75 does not check V3 combo values against their options: nodes call this.
-
-    ``choices``: input name -> (value, allowed options). Returns the first problem as a message, or None.
-    """
-    for name, (value, options) in choices.items():
-        if value not in options:
-            return f"{name} '{value}' is not one of {', '.join(map(str, options))}"
-    return None
 
 
 def model_choices(folder_name: str, placeholder: str = "") -> list[str]:

@@ -9,8 +9,9 @@ from comfy_api.latest import io, ui
 
 from ..qwen_edit.compile import MODES
 from ..qwen_edit.plan import CompileChoice, PipePlan
+from .comfy_compat import check_choices
 from .comfy_memory import runtime
-from .common import CATEGORY, PIPE, NodeInputError, check_choices
+from .common import CATEGORY, PIPE, NodeInputError
 
 CHOICES = [m for m in MODES if m != "reduce-overhead"]
 
@@ -104,7 +105,8 @@ class CompileModel(io.ComfyNode):
             before = inductor_cache_counters()
             started = time.perf_counter()
             with compiled_forward_context(choice):
-                fast_model_fn(dit=dit.module, attention_backend=attention_backend(plan), **inputs)
+                fast_model_fn(dit=dit.prepared, attention_backend=attention_backend(plan), options=plan.forward,
+                              **inputs)
             mm.soft_empty_cache()
             elapsed = time.perf_counter() - started
             after = inductor_cache_counters()
@@ -124,6 +126,12 @@ def cuda_graphs_note(requested: bool, device) -> str:
     forwards only, so on another device the note says the forward runs kernel by kernel."""
     if not requested:
         return "off"
-    if str(device).startswith("cuda"):
-        return "on (one whole-forward graph per input shape, captured on first use)"
-    return f"requested, but the model runs on {device}: CUDA graphs need a CUDA GPU, so forwards run kernel by kernel"
+    if not str(device).startswith("cuda"):
+        return (f"requested, but the model runs on {device}: CUDA graphs need a CUDA GPU, so forwards run kernel "
+                "by kernel")
+    from ..qwen_edit.fast.graphs import allocator_capability
+
+    allocator = allocator_capability()
+    if not allocator.ok:
+        return f"requested, but not used (forwards run kernel by kernel): {allocator.reason}"
+    return "on (one whole-forward graph per input shape, captured on first use)"

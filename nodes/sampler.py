@@ -11,10 +11,12 @@ import torch
 from comfy_api.latest import io, ui
 from PIL import Image
 
+from ..qwen_edit.compute_dtype import compute_note, dtype_label
 from ..qwen_edit.plan import PipePlan
-from ..qwen_edit.sampling import EditRequest, default_output_size
+from ..qwen_edit.sampling import EditRequest, default_output_size, steps_problem
+from .comfy_compat import check_choices
 from .comfy_memory import runtime
-from .common import CATEGORY, PIPE, NodeInputError, check_choices
+from .common import CATEGORY, PIPE, NodeInputError
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +118,8 @@ class QwenEditSampler(io.ComfyNode):
             ],
             outputs=[
                 io.Image.Output("edited", display_name="image", tooltip="The edited image."),
-                io.String.Output("info", tooltip="Size, schedule and seconds per stage of this run."),
+                io.String.Output("info", tooltip="Size, schedule, seconds per stage, and the fast forward's kernels "
+                                 "(used, and left out with the reason) of this run."),
             ],
         )
 
@@ -127,6 +130,8 @@ class QwenEditSampler(io.ComfyNode):
             return problem
         if steps < 1:
             return f"steps must be at least 1 (got {steps}): use 40 for Qwen-Image-Edit, 4 or 8 with Lightning"
+        if scheduler == "default" and steps_problem(scheduler, steps):
+            return steps_problem(scheduler, steps)
         if cfg != 0 and cfg < 1:
             return (f"cfg must be 1 or more, or 0 for auto (got {cfg}): below 1 true CFG pushes away from the "
                     "prompt; use 4.0 (1.0 with a Lightning LoRA)")
@@ -149,14 +154,18 @@ class QwenEditSampler(io.ComfyNode):
                                  f"image(s), got {len(images)}: disconnect the extra images or load Edit-2509/2511")
         w, h, size_note = resolve_size(width, height, images[0])
         scheduler, cfg, notes = resolve_schedule(pipe, scheduler, cfg, steps)
+        if steps_problem(scheduler, steps):
+            raise NodeInputError(steps_problem(scheduler, steps))
         request = EditRequest(images=tuple(images), prompt=prompt, negative_prompt=negative_prompt, seed=seed,
                               steps=steps, cfg=cfg, width=w, height=h, scheduler=scheduler,
                               reference_pixels=int(reference_megapixels * 1024 * 1024))
         progress = comfy.utils.ProgressBar(steps)
         callbacks = Callbacks(on_step=lambda done, total, latents: progress.update_absolute(done, total),
                               check_interrupt=mm.throw_exception_if_processing_interrupted)
-        result, timings = run_edit(runtime(), pipe, request, callbacks)
-        lines = [size_note, *notes, f"steps: {steps}, cfg: {cfg:g}, seed: {seed}", pipe.short_label(),
+        rt = runtime()
+        result, timings = run_edit(rt, pipe, request, callbacks)
+        lines = [size_note, *notes, f"steps: {steps}, cfg: {cfg:g}, seed: {seed}",
+                 pipe.short_label(dtype_label(rt.dtype)), compute_note(rt.device, rt.dtype),
                  f"prompt encoding: {timings.encode_s:.2f} s{' (cached)' if timings.encode_cached else ''}",
                  f"denoising: {timings.denoise_s:.2f} s ({timings.denoise_s / steps:.3f} s/step)",
                  f"VAE decode: {timings.decode_s:.2f} s", f"total: {timings.total_s:.2f} s"]
@@ -164,8 +173,14 @@ class QwenEditSampler(io.ComfyNode):
             step_s = timings.extra["step_s"]
             lines.append(f"compiled: first step {step_s[0]:.2f} s (includes any compile), graphs compiled this run: "
                          f"{timings.extra['graphs_compiled']}")
+            lines.append(f"CUDA graphs: {timings.extra.get('cuda_graphs', 'off')}")
+        if "gpu_peak_bytes" in timings.extra:
+            lines.append(f"GPU memory (PyTorch's allocator): peak {timings.extra['gpu_peak_bytes'] / 2**30:.2f} GiB "
+                         f"during this prompt, {timings.extra['gpu_held_bytes'] / 2**30:.2f} GiB held after it")
         if "calibration" in timings.extra:
             lines.append(timings.extra["calibration"])
+        if "kernels" in timings.extra:
+            lines.append(timings.extra["kernels"].summary())
         info = "\n".join(lines)
         logger.info("Qwen Edit Sampler:\n%s", info)
         return io.NodeOutput(result, info, ui=ui.PreviewText(info))

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .compute_dtype import compute_note, dtype_label
 from .edit import run_edit
 from .metrics import psnr, ssim
 from .plan import PipePlan
@@ -45,6 +46,8 @@ class VariantResult:
     ssim: float | None
     memory_timeline: list[tuple[float, int, int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    kernels: str = ""
+    """The denoising forward's kernel choice (``KernelPlan.summary``: used, and left out with reasons)."""
 
 
 @dataclass
@@ -60,6 +63,8 @@ class BenchmarkResult:
     variants: list[VariantResult]
     images: list[torch.Tensor] = field(default_factory=list, repr=False)
     diagnosis: str = ""
+    compute: str = ""
+    """The run's compute dtype line (``qwen_edit.compute_dtype.compute_note``)."""
 
     @property
     def cpu(self) -> bool:
@@ -71,7 +76,7 @@ class BenchmarkResult:
         if self.cpu:
             lines.append("**CPU figures** (no GPU here): they show the pipeline works, not Hopper speed.\n")
         lines += [f"{self.width}x{self.height}, {self.steps} steps, cfg {self.cfg:g}, {self.warmup} warm-up + "
-                  f"{self.repeats} timed run(s) on {self.device_name}", "",
+                  f"{self.repeats} timed run(s) on {self.device_name}", *([self.compute] if self.compute else []), "",
                   "| variant | attention | s/image | s/step | speedup | compile s | peak GiB | PSNR dB | SSIM |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for v in self.variants:
@@ -82,6 +87,9 @@ class BenchmarkResult:
             s = "ref" if v.ssim is None else f"{v.ssim:.4f}"
             lines.append(f"| {v.label} | {v.attention} | {v.seconds_per_image:.3f} | {v.seconds_per_step:.4f} | "
                          f"{speedup:.2f}x | {comp} | {peak} | {p} | {s} |")
+        kernels = [f"- {v.label}: {v.kernels}" for v in self.variants if v.kernels]
+        if kernels:
+            lines += ["", "Fast forward kernels per variant:", *kernels]
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -102,8 +110,13 @@ def _memory_now(device: torch.device) -> tuple[int, int]:
 
 def run_benchmark(runtime: PlanRuntime, plans: list[PipePlan], request: EditRequest, *, warmup: int = 1,
                   repeats: int = 2, check_interrupt: Callable[[], None] = lambda: None,
-                  on_progress: Callable[[int, int], None] = lambda done, total: None) -> BenchmarkResult:
-    """Run every plan on the same request; returns figures, images (1, H, W, 3) and a diagnosis text."""
+                  on_progress: Callable[[int, int], None] = lambda done, total: None,
+                  host_lines: tuple = ()) -> BenchmarkResult:
+    """Run every plan on the same request; returns figures, images (1, H, W, 3) and a diagnosis text.
+
+    ``host_lines``: ``fp8.diagnose.DiagnosticLine`` facts about the host (ComfyUI's version), put first in the
+    diagnosis.
+    """
     from ..fp8 import diagnose
 
     device = runtime.device
@@ -140,6 +153,7 @@ def run_benchmark(runtime: PlanRuntime, plans: list[PipePlan], request: EditRequ
             on_progress(done, total_runs)
         if "calibration" in first_run.extra:
             notes.append(first_run.extra["calibration"])
+        kernels = timings.extra.get("kernels")
         steady = statistics.median(denoise)
         compile_s = None
         if plan.compile is not None:
@@ -148,17 +162,19 @@ def run_benchmark(runtime: PlanRuntime, plans: list[PipePlan], request: EditRequ
         images.append(image)
         reference = images[0]
         variants.append(VariantResult(
-            label=plan.short_label(), attention=plan.attention, seconds_per_image=statistics.median(per_image),
+            label=plan.short_label(dtype_label(runtime.dtype)), attention=plan.attention,
+            seconds_per_image=statistics.median(per_image),
             seconds_per_step=statistics.median(per_step), denoise_s=steady, first_run_s=first_run.total_s,
             compile_s=compile_s, peak_bytes=peak,
             psnr_db=None if len(images) == 1 else psnr(image, reference),
             ssim=None if len(images) == 1 else ssim(image, reference),
-            memory_timeline=timeline, notes=notes))
-        logger.info("benchmark %s: %.3f s/image", plan.short_label(), variants[-1].seconds_per_image)
+            memory_timeline=timeline, notes=notes, kernels=kernels.summary() if kernels is not None else ""))
+        logger.info("benchmark %s: %.3f s/image", variants[-1].label, variants[-1].seconds_per_image)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     return BenchmarkResult(device=device.type, device_name=name, steps=request.steps, width=request.width,
                            height=request.height, cfg=request.cfg, warmup=warmup, repeats=repeats,
-                           variants=variants, images=images, diagnosis=diagnose(device).to_text())
+                           variants=variants, images=images, diagnosis=diagnose(device, host_lines).to_text(),
+                           compute=compute_note(device, runtime.dtype))
 
 
 def write_json(result: BenchmarkResult, path: Path) -> Path:

@@ -47,25 +47,31 @@ def dynamo_settings() -> Iterator[None]:
 
 
 def set_regional_compile(resident: Resident, choice: CompileChoice | None) -> None:
-    """Run the module's blocks through one compiled block function for ``choice``, or eagerly when None.
+    """Run the DiT's blocks through one compiled block function for ``choice``, or eagerly when None.
 
-    ``dynamic`` True marks the sequence dims dynamic (a new resolution or prompt length reuses the
-    graph; batch 1 and batch 2 are two graphs); False specializes on every shape. ``cuda_graphs`` runs
-    each CUDA forward through whole-forward CUDA graphs (``fast.graphs``).
+    ``resident.prepared`` is the DiT's :class:`~.fast.prepared.PreparedDit`. ``dynamic`` True marks the sequence
+    dims dynamic (a new resolution or prompt length reuses the graph; batch 1 and batch 2 are two graphs); False
+    specializes on every shape. ``cuda_graphs`` runs each CUDA forward through whole-forward CUDA graphs
+    (``fast.graphs``), where they can work (``PreparedDit.cuda_graphs_capability``);
+    ``resident.extra["cuda_graphs"]`` then says "on", or "off: <why>" for the run's summary.
     """
-    from .fast.graphs import disable_cuda_graphs, enable_cuda_graphs
-    from .fast_forward import compile_blocks, uncompile_blocks
-
+    prepared = resident.prepared
     if choice is None:
-        uncompile_blocks(resident.module)
-        disable_cuda_graphs(resident.module)
+        prepared.uncompile_blocks()
+        prepared.disable_cuda_graphs()
+        resident.extra.pop("cuda_graphs", None)
         return
     mode = None if choice.mode == "default" else choice.mode
-    compile_blocks(resident.module, mode=mode, dynamic=None if choice.dynamic else False)
-    if choice.cuda_graphs:
-        enable_cuda_graphs(resident.module)
+    prepared.compile_blocks(mode=mode, dynamic=None if choice.dynamic else False)
+    capability = prepared.cuda_graphs_capability() if choice.cuda_graphs else None
+    if capability is not None and capability.ok:
+        prepared.enable_cuda_graphs()
+        resident.extra["cuda_graphs"] = "on"
     else:
-        disable_cuda_graphs(resident.module)
+        prepared.disable_cuda_graphs()
+        resident.extra["cuda_graphs"] = f"off: {capability.reason}" if capability else "off"
+        if capability:
+            logger.warning("CUDA graphs asked for but not used: %s", capability.reason)
 
 
 def compiled_forward_context(choice: CompileChoice | None):

@@ -7,12 +7,12 @@ import time
 import torch
 
 from .compile import compiled_forward_context, compiled_graph_count
+from .fit import check_fits
+from .latents_check import check_latents
 from .memory import Resident
 from .plan import PipePlan
 from .runtime import PlanRuntime
 from .sampling import Callbacks, Conditioning, EditRequest, EditSampler, Timings, _sync, make_scheduler
-
-_SAMPLER = EditSampler()
 
 
 def needs_calibration(plan: PipePlan, dit: Resident) -> bool:
@@ -36,9 +36,9 @@ def calibrate(plan: PipePlan, dit: Resident, request: EditRequest, conditioning:
     for timestep in scheduler.timesteps[:2]:
         t = timestep.unsqueeze(0).to(dtype=runtime.dtype, device=runtime.device)
         forwards.append(lambda t=t: fast_model_fn(
-            dit=dit.module, latents=latents, timestep=t, height=request.height, width=request.width,
+            dit=dit.prepared, latents=latents, timestep=t, height=request.height, width=request.width,
             edit_latents=conditioning.edit_latents, zero_cond_t=plan.variant.zero_cond_t,
-            attention_backend=attention_backend(plan), **conditioning.positive))
+            attention_backend=attention_backend(plan), options=plan.forward, **conditioning.positive))
     report = calibrate_delayed_scaling(dit.module, forwards)
     dit.extra["calibrated"] = True
     return str(report)
@@ -53,12 +53,20 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
              sampler: EditSampler | None = None, batched_cfg: bool = True) -> tuple[torch.Tensor, Timings]:
     """Encode (cached), denoise and decode one edit. Returns (IMAGE (1, H, W, 3) in [0, 1], timings).
 
-    ``timings.extra["step_s"]`` holds seconds per denoising step (the first includes any compile).
+    Non-finite latents are refused before the decode (``latents_check.NonFiniteLatentsError``), never saved
+    as a black image.
+
+    ``timings.extra["step_s"]`` holds seconds per denoising step (the first includes any compile);
+    ``timings.extra["kernels"]`` the denoising forward's kernel plan (``fast.kernel_plan.KernelPlan``).
+    Raises ``fit.NotEnoughMemoryError`` before loading anything when the prompt cannot fit the device.
     """
     callbacks = callbacks or Callbacks()
-    sampler = sampler or _SAMPLER
+    sampler = sampler or EditSampler(runtime.conditioning)
     device, dtype = runtime.device, runtime.dtype
     timings = Timings(steps=request.steps)
+    timings.extra["memory_need"] = check_fits(runtime, plan, request).describe()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
     text_encoder = runtime.text_encoder(plan)
     vae = runtime.vae(plan)
@@ -76,6 +84,8 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
     callbacks.check_interrupt()
     dit = runtime.dit(plan)
     runtime.use([dit])
+    if "cuda_graphs" in dit.extra:
+        timings.extra["cuda_graphs"] = dit.extra["cuda_graphs"]
     if needs_calibration(plan, dit):
         timings.extra["calibration"] = calibrate(plan, dit, request, conditioning, runtime)
     step_times: list[float] = []
@@ -91,15 +101,18 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
     graphs_before = compiled_graph_count()
     started = last[0] = time.perf_counter()
     with compiled_forward_context(plan.compile):
-        latents = sampler.denoise(request, conditioning, dit=dit.module, variant=plan.variant, device=device,
+        latents = sampler.denoise(request, conditioning, dit=dit.prepared, variant=plan.variant, device=device,
                                   dtype=dtype, callbacks=Callbacks(on_step=on_step,
                                                                    check_interrupt=callbacks.check_interrupt),
-                                  attention=attention_backend(plan), batched_cfg=batched_cfg)
+                                  attention=attention_backend(plan), batched_cfg=batched_cfg, options=plan.forward)
+    if dit.prepared.last_plan is not None:
+        timings.extra["kernels"] = dit.prepared.last_plan
     _sync(device)
     timings.denoise_s = time.perf_counter() - started
     timings.extra["step_s"] = step_times
     timings.extra["graphs_compiled"] = compiled_graph_count() - graphs_before
 
+    check_latents(latents, plan=plan, conditioning=conditioning, cfg=request.cfg)
     callbacks.check_interrupt()
     vae = runtime.vae(plan)
     runtime.use([vae])
@@ -107,4 +120,7 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
     image = sampler.decode(latents, vae.module)
     _sync(device)
     timings.decode_s = time.perf_counter() - started
+    if device.type == "cuda":
+        timings.extra["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        timings.extra["gpu_held_bytes"] = torch.cuda.memory_allocated(device)
     return image, timings

@@ -4,28 +4,33 @@
 sampler passes) and returns the same latents, for batch 1 and for batch B >= 2 (true CFG: cond and
 uncond in one forward, prompts of different lengths right-padded; see :func:`batch_prompts`)::
 
-    from .fast_forward import batch_prompts, compile_blocks, fast_model_fn, fuse_qkv
+    from .fast_forward import PreparedDit, batch_prompts, fast_model_fn, fuse_qkv
 
     fuse_qkv(dit)                                   # optional, in place, before fp8 quantization
-    compile_blocks(dit)                             # optional, regional compile of the block function
+    prepared = PreparedDit(dit)                     # what the forward keeps for this model
+    prepared.compile_blocks()                       # optional, regional compile of the block function
     text = batch_prompts([positive, negative])      # (2, L, T) + mask + host-side lengths
-    pred = fast_model_fn(dit=dit, latents=lat.expand(2, -1, -1, -1), timestep=t, height=h, width=w,
+    pred = fast_model_fn(dit=prepared, latents=lat.expand(2, -1, -1, -1), timestep=t, height=h, width=w,
                          edit_latents=refs, zero_cond_t=False, attention_backend="sdpa", **text)
     pos, neg = pred.chunk(2)
+
+The fused kernels it may use come from a :class:`~.fast.options.ForwardOptions` value (``options``, default
+:data:`~.fast.options.SHIPPED`); :func:`~.fast.kernel_plan.select_kernels` decides per model, shape, device and
+backend which of them run and reports the others with their reasons (:func:`kernel_plan`).
 
 What differs from DiffSynth (none of it changes the function; tests/unit/test_fast_forward*.py):
 
 * the joint attention sequence is ``[image, text]`` (DiffSynth: ``[text, image]``; unmasked attention
   does not depend on token order);
 * RoPE from cached real cos/sin tables, fused with the QK RMSNorm (:mod:`.fast.rope`, :mod:`.fast.block`);
-* no host syncs per call: RoPE tables and zero_cond_t's token selector are cached per shape, text
-  lengths per mask tensor (or given as ``txt_seq_lens``);
-* with fp8 modulation weights on a GPU (unless ``QWEN_EDIT_FUSED_MODULATION=0``), all blocks' ``img_mod`` /
-  ``txt_mod`` linears run before the first block in two launches (:mod:`.fast.modulation`);
+* no host syncs per call: RoPE tables and zero_cond_t's token selector are kept per shape, text lengths per mask
+  tensor (or given as ``txt_seq_lens``);
+* with fp8 modulation weights on a GPU (kernel ``shared_modulation``), all blocks' ``img_mod`` / ``txt_mod``
+  linears run before the first block in two launches (:mod:`.fast.modulation`);
 * ``norm_out`` / ``proj_out`` run on the target image tokens only (DiffSynth computes all, then slices), and
-  so does the last block after its attention: its output projection and MLP for the reference tokens, its
-  attention's other query rows (cuDNN FP8 attention) and its text stream after the attention are not computed
-  (:data:`TRIM_LAST_BLOCK`);
+  so does the last block after its attention (``trim_last_block``): its output projection and MLP for the
+  reference tokens, its attention's other query rows (cuDNN FP8 attention) and its text stream after the attention
+  are not computed;
 * the final unpatchify keeps the batch (DiffSynth's fixes B = 1).
 
 Not supported (raises NotImplementedError): entity prompts, blockwise ControlNet, layered models
@@ -36,29 +41,32 @@ attention flag (use ``attention_backend="triton_fp8"``).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
 from .fast.block import MASK_BACKENDS, fast_block, length_carriers
-from .fast.compile import compile_blocks, compiled_blocks, mark_sequence_dynamic, uncompile_blocks
-from .fast.graphs import forward_graphs
+from .fast.compile import mark_sequence_dynamic
+from .fast.kernel_plan import ForwardShape, KernelPlan
 from .fast.modulation import block_modulations
+from .fast.options import SHIPPED, ForwardOptions
+from .fast.prepared import PreparedDit
 from .fast.qkv import FUSED_QKV_PATTERN, fuse_qkv
-from .fast.rope import rope_tables, target_selector
 from .fast.text import batch_prompts, text_lengths
 
 __all__ = [
     "FUSED_QKV_PATTERN",
+    "SHIPPED",
     "TEXT_PADDING_MODES",
+    "ForwardOptions",
+    "PreparedDit",
     "batch_prompts",
-    "compile_blocks",
     "fast_model_fn",
+    "forward_shape",
     "fuse_qkv",
+    "kernel_plan",
     "text_lengths",
-    "uncompile_blocks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -66,11 +74,6 @@ logger = logging.getLogger(__name__)
 TEXT_PADDING_MODES = ("split", "mask")
 """``split``: per-sample attention over the valid keys (every backend, exact); ``mask``: one SDPA call with
 a boolean key mask (SDPA backends only, no host-side lengths needed)."""
-
-TRIM_LAST_BLOCK = os.environ.get("QWEN_EDIT_TRIM_LAST_BLOCK", "1") != "0"
-"""The last block computes, after its attention, only what the output reads: the target image tokens (not the
-reference tokens, not the text stream); ``fast_block``'s ``target``. Exact. ``QWEN_EDIT_TRIM_LAST_BLOCK=0`` runs it
-whole (the benchmark times both). Under ``torch.compile`` the last block is a second graph of the block function."""
 
 _UNSUPPORTED = ("blockwise_controlnet_conditioning", "entity_prompt_emb", "layer_num", "layer_input_latents",
                 "context_latents", "kv_cache")
@@ -101,14 +104,14 @@ def _unpatchify(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return x.view(b, h, w, ch // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, ch // 4, 2 * h, 2 * w)
 
 
-def _resolve_lengths(mask: torch.Tensor, batch: int, text_len: int,
+def _resolve_lengths(prepared: PreparedDit, mask: torch.Tensor, batch: int, text_len: int,
                      txt_seq_lens: Sequence[int] | None) -> tuple[int, ...] | None:
     """Valid text tokens per sample, or None when nothing is padded (one batched attention call)."""
     if mask is None or mask.shape != (batch, text_len):
         shape = None if mask is None else tuple(mask.shape)
         raise ValueError(f"prompt_emb_mask must be (B, L) = ({batch}, {text_len}), got {shape}")
     if txt_seq_lens is None:
-        lens = text_lengths(mask)
+        lens = prepared.text_lengths(mask)
     else:
         lens = tuple(int(n) for n in txt_seq_lens)
         if len(lens) != batch or any(not 1 <= n <= text_len for n in lens):
@@ -119,9 +122,42 @@ def _resolve_lengths(mask: torch.Tensor, batch: int, text_len: int,
     return None if all(n == text_len for n in lens) else lens
 
 
+def _prepared(dit: PreparedDit | torch.nn.Module) -> PreparedDit:
+    """``dit`` as a :class:`PreparedDit` (a plain module gets one for this call only: eager, no graphs, nothing
+    kept)."""
+    return dit if isinstance(dit, PreparedDit) else PreparedDit(dit)
+
+
+def forward_shape(latents: torch.Tensor, timestep: torch.Tensor, prompt_emb: torch.Tensor,
+                  edit_latents: torch.Tensor | Sequence[torch.Tensor] | None = None, zero_cond_t: bool = False,
+                  text_padding: str = "split") -> ForwardShape:
+    """The :class:`~.fast.kernel_plan.ForwardShape` of a forward with these inputs (shapes as :func:`fast_model_fn`)."""
+    refs = [] if edit_latents is None else ([edit_latents] if isinstance(edit_latents, torch.Tensor)
+                                            else list(edit_latents))
+    batch, _, lat_h, lat_w = latents.shape
+    target = (lat_h // 2) * (lat_w // 2)
+    image = target + sum((r.shape[2] // 2) * (r.shape[3] // 2) for r in refs)
+    rows = timestep.numel()
+    return ForwardShape(batch=int(batch), image_tokens=int(image), target_tokens=int(target),
+                        text_tokens=int(prompt_emb.shape[1]), timestep_rows=int(rows), zero_cond_t=bool(zero_cond_t),
+                        text_mask=text_padding == "mask", dtype=latents.dtype)
+
+
+def kernel_plan(dit: PreparedDit | torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor,
+                prompt_emb: torch.Tensor, edit_latents: torch.Tensor | Sequence[torch.Tensor] | None = None,
+                zero_cond_t: bool = False, attention_backend: str = "sdpa", *, text_padding: str = "split",
+                options: ForwardOptions = SHIPPED, **ignored) -> KernelPlan:
+    """The :class:`~.fast.kernel_plan.KernelPlan` :func:`fast_model_fn` uses for these arguments (no forward runs).
+
+    Takes :func:`fast_model_fn`'s arguments (the ones it does not need are ignored).
+    """
+    shape = forward_shape(latents, timestep, prompt_emb, edit_latents, zero_cond_t, text_padding)
+    return _prepared(dit).kernels(options, attention_backend, shape, latents.device)
+
+
 @torch.no_grad()
 def fast_model_fn(
-    dit: torch.nn.Module,
+    dit: PreparedDit | torch.nn.Module,
     latents: torch.Tensor,
     timestep: torch.Tensor,
     prompt_emb: torch.Tensor,
@@ -135,13 +171,15 @@ def fast_model_fn(
     txt_seq_lens: Sequence[int] | None = None,
     text_padding: str = "split",
     edit_rope_interpolation: bool = False,
+    options: ForwardOptions = SHIPPED,
     **ignored,
 ) -> torch.Tensor:
     """DiffSynth's ``model_fn_qwen_image`` for batch B >= 1: the DiT's velocity prediction.
 
     Args:
-        dit: DiffSynth ``QwenImageDiT`` (e.g. ``SizedQwenImageDiT``), optionally after :func:`fuse_qkv`,
-            ``fp8.quantize_linears`` and :func:`compile_blocks`.
+        dit: a :class:`PreparedDit` (compiled blocks, CUDA graphs and the caches it keeps), or a DiffSynth
+            ``QwenImageDiT`` (e.g. ``SizedQwenImageDiT``, optionally after :func:`fuse_qkv` and
+            ``fp8.quantize_linears``), run eagerly with nothing kept between calls.
         latents: (B, 16, H/8, W/8) noisy latents in the model dtype (bf16 or fp32).
         timestep: (1,) or (B,) in [0, 1000] (DiffSynth's scale; divided by 1000 here as there).
         prompt_emb: (B, L, T) text-encoder states, right-padded to the longest prompt.
@@ -155,11 +193,13 @@ def fast_model_fn(
             None: read from ``prompt_emb_mask`` once per mask tensor (one host sync the first time).
         text_padding: how padded text is kept out of attention (:data:`TEXT_PADDING_MODES`).
         edit_rope_interpolation: DiffSynth's option of the same name.
+        options: the fused kernels the forward may use (:class:`ForwardOptions`; :func:`kernel_plan` says which
+            run).
         ignored: other ``model_fn_qwen_image`` arguments that do not change the result here
             (``progress_id``, ``use_gradient_checkpointing``, ...); features it does not support raise.
 
-    With :func:`.fast.graphs.enable_cuda_graphs` on ``dit`` (Compile Model's ``cuda_graphs``), CUDA calls run
-    as one captured CUDA graph per input signature (:mod:`.fast.graphs`).
+    With :meth:`PreparedDit.enable_cuda_graphs` (Compile Model's ``cuda_graphs``), CUDA calls run as one captured
+    CUDA graph per input signature (:mod:`.fast.graphs`).
 
     Returns:
         (B, 16, H/8, W/8) prediction in the model dtype. For B = 1 and an unpadded prompt this equals
@@ -167,28 +207,37 @@ def fast_model_fn(
         prompt i (its valid tokens only).
     """
     _reject_unsupported(ignored)
+    if not isinstance(options, ForwardOptions):
+        raise TypeError(f"options must be a ForwardOptions, got {type(options).__name__}")
+    prepared = _prepared(dit)
     refs = None if edit_latents is None else (
         [edit_latents] if isinstance(edit_latents, torch.Tensor) else list(edit_latents))
-    graphs = forward_graphs(dit)
+    if text_padding not in TEXT_PADDING_MODES:
+        raise ValueError(f"text_padding={text_padding!r}; allowed: {', '.join(TEXT_PADDING_MODES)}")
+    plan = prepared.kernels(options, attention_backend,
+                            forward_shape(latents, timestep, prompt_emb, refs, zero_cond_t, text_padding),
+                            latents.device)
+    graphs = prepared.graphs
     if graphs is not None and latents.is_cuda and not torch.cuda.is_current_stream_capturing():
         if text_padding == "split" and txt_seq_lens is None and prompt_emb_mask is not None:
-            txt_seq_lens = text_lengths(prompt_emb_mask)  # on the host, before anything is captured
+            txt_seq_lens = prepared.text_lengths(prompt_emb_mask)  # on the host, before anything is captured
         inputs = {"latents": latents, "timestep": timestep, "prompt_emb": prompt_emb,
                   "prompt_emb_mask": prompt_emb_mask, "edit_latents": refs}
-        options = {"height": height, "width": width, "zero_cond_t": zero_cond_t,
-                   "attention_backend": attention_backend, "text_padding": text_padding,
-                   "edit_rope_interpolation": edit_rope_interpolation,
-                   "txt_seq_lens": None if txt_seq_lens is None else tuple(int(n) for n in txt_seq_lens)}
-        return graphs.run(dit, _forward, inputs, options)
-    return _forward(dit, latents, timestep, prompt_emb, prompt_emb_mask, height, width, refs, zero_cond_t,
-                    attention_backend, txt_seq_lens, text_padding, edit_rope_interpolation)
+        settings = {"height": height, "width": width, "zero_cond_t": zero_cond_t,
+                    "attention_backend": attention_backend, "text_padding": text_padding,
+                    "edit_rope_interpolation": edit_rope_interpolation, "plan": plan,
+                    "txt_seq_lens": None if txt_seq_lens is None else tuple(int(n) for n in txt_seq_lens)}
+        return graphs.run(prepared.module, lambda module, **kw: _forward(prepared, **kw), inputs, settings)
+    return _forward(prepared, latents, timestep, prompt_emb, prompt_emb_mask, height, width, refs, zero_cond_t,
+                    attention_backend, txt_seq_lens, text_padding, edit_rope_interpolation, plan)
 
 
-def _forward(dit: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor, prompt_emb: torch.Tensor,
+def _forward(prepared: PreparedDit, latents: torch.Tensor, timestep: torch.Tensor, prompt_emb: torch.Tensor,
              prompt_emb_mask: torch.Tensor, height: int, width: int, edit_latents: list[torch.Tensor] | None,
              zero_cond_t: bool, attention_backend: str, txt_seq_lens: Sequence[int] | None, text_padding: str,
-             edit_rope_interpolation: bool) -> torch.Tensor:
+             edit_rope_interpolation: bool, plan: KernelPlan) -> torch.Tensor:
     """The forward of :func:`fast_model_fn` (arguments checked here, except the unsupported ones)."""
+    dit = prepared.module
     if text_padding not in TEXT_PADDING_MODES:
         raise ValueError(f"text_padding={text_padding!r}; allowed: {', '.join(TEXT_PADDING_MODES)}")
     if text_padding == "mask" and attention_backend not in MASK_BACKENDS:
@@ -229,8 +278,8 @@ def _forward(dit: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor
     conditioning = dit.time_text_embed(t, image.dtype, addition_t_cond=extra)
     text = dit.txt_in(dit.txt_norm(prompt_emb))
 
-    cos, sin = rope_tables(dit, img_shapes, text_len, device, interpolation=edit_rope_interpolation)
-    selector = target_selector(dit, target_tokens, image_tokens, device) if zero_cond_t else None
+    cos, sin = prepared.rope_tables(img_shapes, text_len, device, interpolation=edit_rope_interpolation)
+    selector = prepared.target_selector(target_tokens, image_tokens, device) if zero_cond_t else None
     key_mask = carriers = None
     if text_padding == "mask":
         if prompt_emb_mask is None or prompt_emb_mask.shape != (batch, text_len):
@@ -239,7 +288,7 @@ def _forward(dit: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor
                            prompt_emb_mask.to(device=device, dtype=torch.bool)], dim=1)
         key_mask = valid[:, None, None, :]
     else:
-        lens = _resolve_lengths(prompt_emb_mask, batch, text_len, txt_seq_lens)
+        lens = _resolve_lengths(prepared, prompt_emb_mask, batch, text_len, txt_seq_lens)
         carriers = None if lens is None else length_carriers(lens, device)
 
     # img_in / txt_in outputs are views (F.linear on 3-D input); block outputs are not. Dynamo guards views
@@ -247,22 +296,30 @@ def _forward(dit: torch.nn.Module, latents: torch.Tensor, timestep: torch.Tensor
     image, text = image.clone(), text.clone()
     temb_img = F.silu(conditioning)
     temb_txt = temb_img[: temb_img.shape[0] // 2] if zero_cond_t else temb_img
-    compiled = compiled_blocks(dit)
+    compiled = prepared.compiled
     block_fn = fast_block if compiled is None else compiled.fn
     mark = compiled is not None and compiled.marks_sequence_dynamic
     if mark:
         mark_sequence_dynamic((cos, 0), (sin, 0), (selector, 1), (key_mask, 3),
                               *((c, 0) for c in carriers or ()))
-    mods = block_modulations(dit, temb_img, temb_txt)
+    mods = block_modulations(prepared.modulation_groups(), temb_img, temb_txt) if plan.shared_modulation else None
     last = len(dit.transformer_blocks) - 1
-    target = length_carriers((target_tokens,), device)[0] if TRIM_LAST_BLOCK else None
+    target = length_carriers((target_tokens,), device)[0] if plan.trim_last_block else None
     if mark:
         mark_sequence_dynamic((target, 0))
+    kernels = plan.block
+    streaming = prepared.streaming
     for i, block in enumerate(dit.transformer_blocks):
         if mark:
             mark_sequence_dynamic((image, 1), (text, 1))
+        streamed = streaming is not None and streaming.streams(block)
+        if streamed:
+            streaming.onload(block)
         image, text = block_fn(block, image, text, temb_img, temb_txt, cos, sin, selector, carriers, key_mask,
-                               attention_backend, None if mods is None else mods[i], target if i == last else None)
+                               attention_backend, kernels, None if mods is None else mods[i],
+                               target if i == last else None)
+        if streamed:
+            streaming.offload(block)
 
     out_cond = conditioning[: conditioning.shape[0] // 2] if zero_cond_t else conditioning
     image = dit.proj_out(dit.norm_out(image[:, :target_tokens], out_cond))

@@ -1,14 +1,16 @@
-"""An FP8 copy of a DiT, built from the base's current (LoRA-fused) bf16 weights.
+"""FP8 DiTs in memory: a converted copy of a bf16 DiT, and new weight values written into an fp8 DiT in place.
 
-The copy shares no tensor with the base: converted linears hold fp8 weights
-with their scales, every other parameter is cloned, so later LoRA changes on
-the base (in place) never leak into an FP8 variant built before them.
+``build_fp8_dit`` converts a copy of a DiT already in memory (the benchmark harness builds random-weight
+models that way; the runtime builds from files with ``dit_build``). The copy shares no tensor with the base:
+converted linears hold fp8 weights with their scales, every other parameter is cloned.
+``write_weights`` puts new values (a LoRA change) into an fp8 or bf16 DiT without replacing any tensor.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -57,30 +59,40 @@ def build_fp8_dit(base_module: torch.nn.Module, fp8_config: Any,
     return variant
 
 
-@torch.no_grad()
-def requantize_in_place(variant: torch.nn.Module, base_module: torch.nn.Module, names: set[str]) -> bool:
-    """Copy the base's current values of ``names`` into the variant, quantizing where the variant is FP8.
+def _targets(variant: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str, Any]:
+    """Where the variant keeps tensor ``name``: (owner module, attribute, the owner's rows it fills)."""
+    from .fast.qkv import fused_rows
 
-    Returns False (and changes nothing) when a touched layer cannot be re-quantized in place
-    (Transformer Engine keeps its fp8 weights in its own format).
+    owner_name, _, attr = name.rpartition(".")
+    fused = fused_rows(variant, owner_name) if owner_name and not _has_submodule(variant, owner_name) else None
+    if fused is not None:  # a Q/K/V projection fused into one layer: its rows of that layer
+        return fused[0], attr, fused[1]
+    return (variant.get_submodule(owner_name) if owner_name else variant), attr, ...
+
+
+def can_write_in_place(variant: torch.nn.Module, names: set[str]) -> bool:
+    """Whether :func:`write_weights` can update these tensors in place (not inside Transformer Engine layers)."""
+    return all(type(_targets(variant, name)[0]).__name__ != "TeLinear" for name in names)
+
+
+@torch.no_grad()
+def write_weights(variant: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Copy high-precision ``values`` (model tensor name -> tensor) into the variant's own tensors, in place.
+
+    Where the variant is fp8 the value is quantized as the layer's conversion did (row-wise, or tensor-wise for
+    a tensor-wise ``ScaledMMLinear``); a Q/K/V projection fused into one layer fills its rows. Same tensors,
+    new values: compiled graphs and captured CUDA graphs read the new values. Raises TypeError for a Transformer
+    Engine layer (check :func:`can_write_in_place` first).
     """
     from ..fp8 import quantize_rowwise, quantize_tensorwise
     from ..fp8.linear import Fp8Linear, ScaledMMLinear
-    from .fast.qkv import fused_rows
 
-    base_params = dict(base_module.named_parameters())
-    plan = []  # (owner, attribute, new value, the owner's rows it fills: all, or a fused Q/K/V layer's slice)
-    for name in sorted(names):
-        owner_name, _, attr = name.rpartition(".")
-        fused = fused_rows(variant, owner_name) if owner_name and not _has_submodule(variant, owner_name) else None
-        if fused is not None:  # a Q/K/V projection fused into one layer: its rows of that layer
-            plan.append((fused[0], attr, base_params[name], fused[1]))
-            continue
-        owner = variant.get_submodule(owner_name) if owner_name else variant
+    owners: dict[int, torch.nn.Module] = {}
+    for name in sorted(values):
+        owner, attr, rows = _targets(variant, name)
         if type(owner).__name__ == "TeLinear":
-            return False
-        plan.append((owner, attr, base_params[name], ...))
-    for owner, attr, source, rows in plan:
+            raise TypeError(f"{name}: Transformer Engine layers cannot be updated in place; rebuild the model")
+        source = values[name]
         if isinstance(owner, Fp8Linear) and attr == "weight":
             tensorwise = isinstance(owner, ScaledMMLinear) and owner.granularity == "tensorwise"
             weight, scale = quantize_tensorwise(source) if tensorwise else quantize_rowwise(source)
@@ -88,10 +100,10 @@ def requantize_in_place(variant: torch.nn.Module, base_module: torch.nn.Module, 
             owner.weight_scale[rows].copy_(scale.reshape(owner.weight_scale[rows].shape))
         else:
             getattr(owner, attr)[rows].copy_(source)
-    for owner in {id(o): o for o, *_ in plan}.values():
+        owners[id(owner)] = owner
+    for owner in owners.values():
         if isinstance(owner, ScaledMMLinear):  # its output bound follows the new weight (fused GELU GEMM)
             owner.refresh_column_bound()
-    return True
 
 
 def _has_submodule(module: torch.nn.Module, name: str) -> bool:

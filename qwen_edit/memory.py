@@ -15,12 +15,13 @@ from typing import Any, Protocol
 import torch
 
 
-def module_bytes(module: torch.nn.Module) -> int:
-    """Bytes held by a module's parameters and buffers (shared storages counted once)."""
+def module_bytes(module: torch.nn.Module, device: torch.device | None = None) -> int:
+    """Bytes held by a module's parameters and buffers (shared storages counted once), on ``device`` only
+    when given (a model streamed from host memory holds most of its bytes there)."""
     seen: set[int] = set()
     total = 0
     for tensor in list(module.parameters()) + list(module.buffers()):
-        if tensor.device.type == "meta":
+        if tensor.device.type == "meta" or (device is not None and tensor.device.type != device.type):
             continue
         key = tensor.untyped_storage().data_ptr()
         if key in seen:
@@ -32,7 +33,9 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 @dataclass
 class Resident:
-    """One model the runtime holds: its cache key, the module, and the host's handle for it."""
+    """One model the runtime holds: its cache key, the module, its bytes on the compute device, and the host's
+    handle for it. ``prepared``: for the DiT, its ``qwen_edit.fast.prepared.PreparedDit`` (what the fast forward
+    keeps for it); None for the other models."""
 
     key: tuple
     module: torch.nn.Module
@@ -40,6 +43,7 @@ class Resident:
     label: str
     handle: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    prepared: Any = None
 
 
 class MemoryHooks(Protocol):
@@ -57,6 +61,9 @@ class MemoryHooks(Protocol):
     def reserve(self, nbytes: int) -> None:
         """Called before a model of about ``nbytes`` is built: make room on the compute device."""
 
+    def available_bytes(self, device: torch.device) -> int:
+        """Bytes a prompt could use on ``device``: free now plus what the host would unload for it."""
+
 
 class NoHost:
     """Hooks for use without ComfyUI: nothing to register, models stay where they are."""
@@ -72,3 +79,10 @@ class NoHost:
 
     def reserve(self, nbytes: int) -> None:
         return None
+
+    def available_bytes(self, device: torch.device) -> int:
+        """Free device memory plus what PyTorch's allocator holds unused (nothing else unloads without a host)."""
+        if device.type != "cuda":
+            return 1 << 62
+        free, _total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

@@ -2,7 +2,7 @@
 
 ComfyUI caches node outputs and lets one loader feed several branches, so a
 node must never change what it received. A ``PipePlan`` says *what* to run
-(weights, variant, LoRAs, FP8 recipe, compile settings, attention backend);
+(weights, variant, LoRAs, FP8 recipe, compile settings, attention backend, the fast forward's options);
 ``runtime.PlanRuntime`` decides *how* (base weights read once, variants
 derived in a fixed order: LoRA fused in bf16, then FP8, then compile).
 """
@@ -14,6 +14,8 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .fast.options import SHIPPED, ForwardOptions
 
 
 class Variant(str, enum.Enum):
@@ -69,7 +71,9 @@ class PipePlan:
     """Everything that defines a Qwen-Image-Edit pipeline, as a hashable value.
 
     ``files`` is a ``checkpoints.layouts.ModelFiles``; ``fp8`` an
-    ``fp8.config.FP8Config`` (both frozen). Transform nodes return
+    ``fp8.config.FP8Config`` (both frozen); ``forward`` the fast forward's
+    :class:`~.fast.options.ForwardOptions` (which fused kernels it may use;
+    the shipped choice by default). Transform nodes return
     ``dataclasses.replace`` copies; the order of ``loras`` is the order the
     user chained them, and fusion always happens before FP8 quantization.
     """
@@ -81,6 +85,9 @@ class PipePlan:
     loras: tuple[LoraChoice, ...] = ()
     fp8: Any = None
     compile: CompileChoice | None = None
+    forward: ForwardOptions = SHIPPED
+    host_blocks: int = 0
+    """DiT blocks kept in page-locked host memory and copied to the GPU for each forward (0: all on the GPU)."""
 
     def with_lora(self, lora: LoraChoice) -> PipePlan:
         return dataclasses.replace(self, loras=(*self.loras, lora))
@@ -91,23 +98,32 @@ class PipePlan:
     def with_compile(self, choice: CompileChoice | None) -> PipePlan:
         return dataclasses.replace(self, compile=choice)
 
+    def with_forward(self, options: ForwardOptions) -> PipePlan:
+        return dataclasses.replace(self, forward=options)
+
     @property
     def lightning_steps(self) -> int | None:
         """Steps of the last Lightning LoRA with non-zero strength, if any."""
         steps = [lora.lightning_steps for lora in self.loras if lora.lightning_steps and lora.strength != 0]
         return steps[-1] if steps else None
 
-    def describe(self) -> str:
-        """One line per setting, for node output text and benchmark tables."""
+    def describe(self, dtype_label: str = "bf16") -> str:
+        """One line per setting, for node output text and benchmark tables (``dtype_label``: the compute dtype)."""
         lines = [f"variant: {self.variant.value} ({self.variant_reason})", f"attention: {self.attention}"]
         lines += [f"lora: {lora.name} x {lora.strength:g}" for lora in self.loras]
-        lines.append(f"fp8: {self.fp8.describe() if self.fp8 is not None else 'off (bf16)'}")
+        lines.append(f"fp8: {self.fp8.describe() if self.fp8 is not None else f'off ({dtype_label})'}")
         lines.append(f"compile: {self.compile.describe() if self.compile else 'off (eager)'}")
+        lines.append(f"fast forward options: {self.forward.describe()}")
+        if self.host_blocks:
+            lines.append(f"DiT blocks in host memory: the last {self.host_blocks}, copied to the GPU each forward")
         return "\n".join(lines)
 
-    def short_label(self) -> str:
-        """A compact label such as ``bf16`` or ``fp8 scaled_mm_rowwise + lora x1 + compiled``."""
-        parts = ["bf16"] if self.fp8 is None else [f"fp8 {self.fp8.backend}"]
+    def short_label(self, dtype_label: str = "bf16") -> str:
+        """A compact label such as ``bf16`` or ``fp8 scaled_mm_rowwise + lora x1 + compiled``.
+
+        ``dtype_label`` names the compute dtype of a pipe without FP8 (``float32`` on a CPU).
+        """
+        parts = [dtype_label] if self.fp8 is None else [f"fp8 {self.fp8.backend}"]
         if self.fp8 is not None and self.fp8.backend == "te":
             parts[0] += f" {self.fp8.te_recipe.name}"
         if self.loras:
@@ -116,4 +132,8 @@ class PipePlan:
             parts.append("compiled" + (" + CUDA graphs" if self.compile.cuda_graphs else ""))
         if self.attention not in ("auto", "sdpa"):
             parts.append(self.attention)
+        if self.forward != SHIPPED:
+            parts.append("options: " + ", ".join(self.forward.differences()))
+        if self.host_blocks:
+            parts.append(f"{self.host_blocks} blocks in host memory")
         return " + ".join(parts)

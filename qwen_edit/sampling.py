@@ -23,11 +23,26 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .fast.options import SHIPPED, ForwardOptions
 from .plan import Variant
 
 logger = logging.getLogger(__name__)
 
 SCHEDULERS = {"default": "Qwen-Image", "lightning": "Qwen-Image-Lightning"}
+
+MIN_STEPS = {"default": 2, "lightning": 1}
+"""Fewest steps each schedule runs: DiffSynth's Qwen-Image schedule gives NaN timesteps for one step (its
+terminal shift divides by zero), which would denoise into NaN latents."""
+
+
+def steps_problem(scheduler: str, steps: int) -> str | None:
+    """Why ``steps`` cannot run with ``scheduler`` ("default" / "lightning"), or None."""
+    fewest = MIN_STEPS[scheduler]
+    if steps >= fewest:
+        return None
+    return (f"steps {steps} with the {scheduler} ({SCHEDULERS[scheduler]}) schedule: it needs at least {fewest} "
+            "(one step gives NaN timesteps, its terminal shift divides by zero); use 2 or more steps, or the "
+            "lightning scheduler with a Lightning LoRA")
 
 
 @dataclass(frozen=True)
@@ -177,11 +192,22 @@ def _sync(device: torch.device) -> None:
 
 
 def make_scheduler(name: str, steps: int, width: int, height: int):
-    """DiffSynth's FlowMatchScheduler for Qwen-Image (``default``) or Lightning (``lightning``)."""
+    """DiffSynth's FlowMatchScheduler for Qwen-Image (``default``) or Lightning (``lightning``).
+
+    Raises:
+        ValueError: ``steps`` below the schedule's minimum (:data:`MIN_STEPS`), or timesteps that are not
+            finite for another reason.
+    """
     from diffsynth.diffusion import FlowMatchScheduler
 
+    problem = steps_problem(name, steps)
+    if problem:
+        raise ValueError(problem)
     scheduler = FlowMatchScheduler(SCHEDULERS[name])
     scheduler.set_timesteps(steps, denoising_strength=1.0, dynamic_shift_len=(height // 16) * (width // 16))
+    if not bool(torch.isfinite(scheduler.timesteps).all()):
+        raise ValueError(f"the {SCHEDULERS[name]} schedule gives non-finite timesteps for {steps} steps at "
+                         f"{width}x{height}: choose another number of steps or size")
     return scheduler
 
 
@@ -222,19 +248,24 @@ class EditSampler:
 
     def denoise(self, request: EditRequest, conditioning: Conditioning, *, dit, variant: Variant,
                 device: torch.device, dtype: torch.dtype, callbacks: Callbacks, attention: str = "sdpa",
-                batched_cfg: bool = True, model_fn: Callable | None = None) -> torch.Tensor:
+                batched_cfg: bool = True, model_fn: Callable | None = None,
+                options: ForwardOptions = SHIPPED) -> torch.Tensor:
         """The denoising loop; returns latents (1, 16, H/8, W/8). Interrupt is checked before each step.
 
         True CFG runs the positive and negative prompts as one batch-2 forward (``batched_cfg``; the
         text is right-padded and kept out of attention), or as two batch-1 forwards like DiffSynth.
-        ``model_fn`` defaults to ``fast_forward.fast_model_fn`` (same function as DiffSynth's
-        ``model_fn_qwen_image``; tests hold them equal) with the ``attention`` backend.
+        ``dit``: a ``fast.prepared.PreparedDit`` (or the bare module). ``model_fn`` defaults to
+        ``fast_forward.fast_model_fn`` (same function as DiffSynth's ``model_fn_qwen_image``; tests hold them equal)
+        with the ``attention`` backend and the fast forward's ``options``; another ``model_fn`` (DiffSynth's) gets
+        the bare module as ``dit``.
         """
-        from .fast_forward import batch_prompts, fast_model_fn
+        from .fast_forward import PreparedDit, batch_prompts, fast_model_fn
 
         if model_fn is None:
             def model_fn(**kwargs):
-                return fast_model_fn(attention_backend=attention, **kwargs)
+                return fast_model_fn(attention_backend=attention, options=options, **kwargs)
+        elif isinstance(dit, PreparedDit):
+            dit = dit.module
         scheduler = make_scheduler(request.scheduler, request.steps, request.width, request.height)
         generator = torch.Generator("cpu").manual_seed(request.seed)
         latents = torch.randn((1, 16, request.height // 8, request.width // 8), generator=generator,

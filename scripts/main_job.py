@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from comfy_server import ComfyServer
+from comfy_server import COMFYUI_VERSIONS, DEFAULT_COMFYUI, ComfyServer
 from workflows import INPUT_IMAGE, PRESETS, to_api
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +60,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, help="a ComfyUI models folder with the real weights")
     parser.add_argument("--gpu", action="store_true", help="run ComfyUI on the GPU (default: --cpu)")
+    parser.add_argument("--comfyui", default=DEFAULT_COMFYUI, choices=list(COMFYUI_VERSIONS),
+                        help=f"which of the test environment's ComfyUIs runs it (default {DEFAULT_COMFYUI})")
     parser.add_argument("--preset", default="qwen_edit_bf16_baseline",
                         choices=[p().name for p in PRESETS], help="which shipped workflow to run")
     parser.add_argument("--image", type=Path, help="input image (default: a synthetic test image)")
@@ -105,8 +107,8 @@ def main() -> int:
     else:
         example_image(base / "input" / INPUT_IMAGE)
 
-    server = ComfyServer(base, extra_args=extra_args, cpu=not args.gpu)
-    print(f"starting ComfyUI 0.3.75 ({'GPU' if args.gpu else 'CPU'}) in {base}")
+    server = ComfyServer(base, extra_args=extra_args, cpu=not args.gpu, comfyui=args.comfyui)
+    print(f"starting ComfyUI {args.comfyui} ({'GPU' if args.gpu else 'CPU'}) in {base}")
     started = time.perf_counter()
     server.start()
     try:

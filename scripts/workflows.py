@@ -102,10 +102,12 @@ class Workflow:
         return next(n for n in self.nodes if n.id == node_id)
 
 
-def _loader(node_id: int, pos, text_encoder: str = TEXT_ENCODER, attention: str = "auto") -> Node:
+def _loader(node_id: int, pos, text_encoder: str = TEXT_ENCODER, attention: str = "auto", host_blocks: int = 0
+            ) -> Node:
     return Node(node_id, "QwenEditHopper_Load", {
         "diffusion_model": DIT, "text_encoder": text_encoder, "vae": VAE,
         "diffusers_folder": "(none: use the three files)", "variant": "auto", "attention": attention,
+        "where_unsupported": "refuse", "host_blocks": host_blocks,
     }, pos=pos)
 
 
@@ -116,6 +118,9 @@ def _sampler(node_id: int, pos, pipe: tuple[int, int], steps: int = 40, cfg: flo
     }, links={"pipe": pipe, "image": (1, 0)}, pos=pos)
 
 
+LOW_VRAM_HOST_BLOCKS = 10
+"""DiT blocks the low VRAM workflow keeps in host memory: 3.2 GiB of fp8 weights off the GPU."""
+
 FASTEST_LAYERS = "attn+mlp+mod compute"
 """Measured on an H200 (docs/benchmarks.md): faster than the default preset and more accurate."""
 
@@ -124,7 +129,7 @@ def _fp8(node_id: int, pos, pipe: tuple[int, int], backend: str, layers: str = "
     return Node(node_id, "QwenEditHopper_ApplyFP8", {
         "backend": backend, "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
         "amax_compute_algo": "max", "layers": layers, "modulation": "fp8 storage", "fast_accum": True,
-        "gemm_kernel": "cublaslt",
+        "gemm_kernel": "cublaslt", "where_unsupported": "refuse",
     }, links={"pipe": pipe}, pos=pos)
 
 
@@ -190,8 +195,9 @@ def preset_lightning_4step() -> Workflow:
 
 def preset_low_vram() -> Workflow:
     return Workflow("qwen_edit_low_vram", "low VRAM",
-                    "FP8 weight storage (bf16 compute) and the fp8_scaled text encoder: about half the weight memory.",
-                    [_image(), _loader(2, (0, 0), text_encoder=TEXT_ENCODER_FP8),
+                    "FP8 weight storage (bf16 compute), the fp8_scaled text encoder, and the last 10 DiT blocks "
+                    "kept in host memory (copied to the GPU each forward): under 20 GiB of GPU memory at 1 megapixel.",
+                    [_image(), _loader(2, (0, 0), text_encoder=TEXT_ENCODER_FP8, host_blocks=LOW_VRAM_HOST_BLOCKS),
                      _fp8(3, (420, 0), (2, 0), "weight_only"), _sampler(4, (840, 0), (3, 0)),
                      _save(5, (1260, 0), (4, 0), "qwen_edit_low_vram")])
 

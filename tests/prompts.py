@@ -83,3 +83,16 @@ def read_image(path: Path):
     from PIL import Image
 
     return np.asarray(Image.open(path).convert("RGB"))
+
+
+EMULATING_NODES = ("QwenEditHopper_Load", "QwenEditHopper_ApplyFP8")
+
+
+def emulating(prompt: dict[str, Any]) -> dict[str, Any]:
+    """``prompt`` with ``where_unsupported: emulate`` on every node that has it: fp8 kernels this CPU cannot run
+    become their fp32 reference paths (the nodes say EMULATED), as a user checking a workflow on a CPU sets it."""
+    out = {node_id: {**node, "inputs": dict(node["inputs"])} for node_id, node in prompt.items()}
+    for node in out.values():
+        if node["class_type"] in EMULATING_NODES:
+            node["inputs"]["where_unsupported"] = "emulate"
+    return out

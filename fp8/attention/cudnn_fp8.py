@@ -42,11 +42,15 @@ import logging
 
 import torch
 
+from ..capability import Capability, cuda_capability, resolve_device
+from ..errors import AttentionUnavailableError
+
 __all__ = [
     "E4M3_MAX",
     "attention_quantized",
     "cudnn_fp8_attention",
-    "frontend_status",
+    "cudnn_fp8_capability",
+    "frontend_capability",
     "quantize_per_tensor",
     "quantize_with_bound",
     "reference_kernel",
@@ -60,18 +64,34 @@ _GRAPH_CACHE_SIZE = 64
 
 
 @functools.cache
-def frontend_status() -> tuple[bool, str]:
-    """(importable, reason) for cudnn-frontend's Python package ``cudnn`` (pip: nvidia-cudnn-frontend)."""
+def frontend_capability() -> Capability:
+    """Whether cudnn-frontend's Python package ``cudnn`` (pip: nvidia-cudnn-frontend) loads a cuDNN 9."""
     if importlib.util.find_spec("cudnn") is None:
-        return False, "the cuDNN frontend is not installed: pip install nvidia-cudnn-frontend (import name: cudnn)"
+        return Capability.no("the cuDNN frontend is not installed: pip install nvidia-cudnn-frontend (import name: "
+                             "cudnn)")
     try:
         module = importlib.import_module("cudnn")
         version = int(module.backend_version())
     except Exception as exc:  # a broken install or no loadable libcudnn: say what happened
-        return False, f"the cuDNN frontend could not load cuDNN: {type(exc).__name__}: {exc}"
+        return Capability.no(f"the cuDNN frontend could not load cuDNN: {type(exc).__name__}: {exc}")
     if version < 90000:
-        return False, f"cuDNN FP8 attention needs cuDNN 9 or newer; the frontend loaded {version}"
-    return True, f"cuDNN {version} FP8 fused attention through nvidia-cudnn-frontend"
+        return Capability.no(f"cuDNN FP8 attention needs cuDNN 9 or newer; the frontend loaded {version}")
+    return Capability.yes(f"cuDNN {version} FP8 fused attention through nvidia-cudnn-frontend")
+
+
+def cudnn_fp8_capability(device: torch.device | str | None = None) -> Capability:
+    """Whether cuDNN's FP8 attention can run on ``device``: a CUDA GPU of compute capability 9.0 or newer and
+    :func:`frontend_capability`."""
+    dev = resolve_device(device)
+    what = "cudnn_fp8 (cuDNN FP8 attention)"
+    if dev.type != "cuda":
+        return Capability.no(f"{what} needs a CUDA device (got {dev.type})")
+    cc = cuda_capability(dev)
+    if cc is None:
+        return Capability.no(f"{what} needs a CUDA device, and torch.cuda.is_available() is False")
+    if cc < (9, 0):
+        return Capability.no(f"{what} needs compute capability 9.0 or higher (found {cc[0]}.{cc[1]})")
+    return frontend_capability()
 
 
 def _memory_order(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -204,7 +224,7 @@ def run_kernel(
     ``out.float() * descale_v`` is the attention output. k8 and v8 may hold more tokens than q8 (S_kv >= S: the
     first S queries of a longer sequence). ``seq_len_kv`` (B,) int32: sample i attends to its first
     ``seq_len_kv[i]`` keys only (right padding); every query row is computed. ``scale_o``: 1 / descale_v as a
-    (1, 1, 1, 1) float32 tensor when the caller has it (``fp8.v_quant`` writes it), else computed here.
+    (1, 1, 1, 1) float32 tensor when the caller has it (the block's v kernels write it), else computed here.
     Runs on the current CUDA stream (CUDA-graph capturable). Raises cuDNN's own error when it cannot run the
     shape.
     """
@@ -268,6 +288,43 @@ def reference_kernel(
     return torch.stack(samples).to(torch.float8_e4m3fn)
 
 
+def _define_kernel_op():
+    """Register ``torch.ops.qwen_edit_hopper.cudnn_fp8_attention`` (the kernel only) once per process."""
+    namespace = torch.ops.qwen_edit_hopper
+    if hasattr(namespace, "cudnn_fp8_attention"):
+        return namespace.cudnn_fp8_attention
+
+    @torch.library.custom_op("qwen_edit_hopper::cudnn_fp8_attention", mutates_args=())
+    def cudnn_fp8_attention_op(
+        q8: torch.Tensor,
+        k8: torch.Tensor,
+        v8: torch.Tensor,
+        descale_q: torch.Tensor,
+        descale_k: torch.Tensor,
+        descale_v: torch.Tensor,
+        seq_len_kv: torch.Tensor,
+        scale_o: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``seq_len_kv``: (B,) int32 keys per sample (cuDNN's padding mask), or empty for no padding;
+        ``scale_o``: 1 / descale_v (1, 1, 1, 1) float32, or None to compute it here. k8 / v8 may hold more tokens
+        than q8 (the first queries of a longer sequence)."""
+        capability = cudnn_fp8_capability(q8.device)
+        if not capability.ok:
+            raise AttentionUnavailableError(f"attention backend 'cudnn_fp8' cannot run: {capability.reason}")
+        lengths = seq_len_kv if seq_len_kv.numel() else None
+        return run_kernel(q8, k8, v8, descale_q, descale_k, descale_v, lengths, scale_o)
+
+    @cudnn_fp8_attention_op.register_fake
+    def _(q8, k8, v8, descale_q, descale_k, descale_v, seq_len_kv, scale_o=None):
+        b, h, s, d = q8.shape
+        return q8.new_empty((b, s, h, d))
+
+    return cudnn_fp8_attention_op
+
+
+cudnn_fp8_kernel_op = _define_kernel_op()
+
+
 def attention_quantized(
     q8: torch.Tensor,
     k8: torch.Tensor,
@@ -289,8 +346,6 @@ def attention_quantized(
     if emulate:
         out8 = reference_kernel(q8, k8, v8, descale_q, descale_k, descale_v, seq_len_kv)
     else:
-        from .backends import cudnn_fp8_kernel_op
-
         lengths = q8.new_empty((0,), dtype=torch.int32) if seq_len_kv is None else seq_len_kv
         out8 = cudnn_fp8_kernel_op(q8, k8, v8, descale_q, descale_k, descale_v, lengths, scale_o)
     b, s, h, d = out8.shape

@@ -17,12 +17,13 @@ Shapes used (``D`` = dim, ``T`` = text dim, ``h`` = head dim, ``C`` = latent cha
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .blocks import INCOMPLETE_REMEDY, check_block_count, check_blocks
+from .config_json import check_config_agrees
 from .safetensors_io import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,11 @@ logger = logging.getLogger(__name__)
 REFERENCE_AXES_DIM = (16, 56, 56)
 REFERENCE_HEAD_DIM = 128
 
-_BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.")
+BLOCKS = "transformer_blocks"
+BLOCK = "transformer block"
+
+#: Blocks of the released DiTs by hidden size: every Qwen-Image / -Edit / -2509 / -2511 DiT at dim 3072 has 60.
+RELEASED_BLOCKS = {3072: 60}
 
 
 @dataclass(frozen=True)
@@ -98,10 +103,15 @@ def infer_dit_config(
         shapes: tensor name -> shape, over all shards.
         source: the file named in errors.
         hf_config: diffusers ``transformer/config.json`` if present; its ``axes_dims_rope`` is used,
-            other fields are only cross-checked (the weights win, with a warning).
+            ``num_layers``, ``attention_head_dim``, ``num_attention_heads`` and ``joint_attention_dim``
+            must agree with the weights.
+
+    Without a config, a DiT at a released width (dim 3072) must hold the released block count (60).
 
     Raises:
-        CheckpointError: a required tensor is missing or the sizes are inconsistent.
+        CheckpointError: a required tensor is missing, transformer blocks are missing or incomplete,
+            the sizes are inconsistent, or the config (or the released block count) disagrees with the
+            weights, naming both numbers.
     """
 
     def need(key: str) -> tuple[int, ...]:
@@ -113,6 +123,7 @@ def infer_dit_config(
             )
         return tuple(shapes[key])
 
+    num_layers = check_blocks(shapes, prefix=BLOCKS, what=BLOCK, source=source)
     dim, in_channels = need("img_in.weight")
     _, text_dim = need("txt_in.weight")
     (head_dim,) = need("transformer_blocks.0.attn.norm_q.weight")
@@ -121,11 +132,7 @@ def infer_dit_config(
     mlp_hidden, _ = need("transformer_blocks.0.img_mlp.net.0.proj.weight")
     (norm_dim,) = need("txt_norm.weight")
 
-    layers = sorted({int(m.group(1)) for key in shapes if (m := _BLOCK.match(key))})
     problems = []
-    if layers != list(range(len(layers))):
-        missing = sorted(set(range(layers[-1] + 1)) - set(layers))
-        problems.append(f"transformer_blocks {missing[:5]} are missing")
     if dim % head_dim:
         problems.append(f"dim {dim} is not a multiple of head_dim {head_dim}")
     if norm_dim != text_dim:
@@ -143,25 +150,31 @@ def infer_dit_config(
     if hf_config is not None:
         if "axes_dims_rope" in hf_config:
             axes_dim = tuple(int(a) for a in hf_config["axes_dims_rope"])
-        declared = {
-            "num_layers": len(layers),
-            "attention_head_dim": head_dim,
-            "num_attention_heads": dim // head_dim,
-            "joint_attention_dim": text_dim,
-        }
-        for field, value in declared.items():
-            if field in hf_config and hf_config[field] != value:
-                logger.warning(
-                    "%s: transformer/config.json says %s=%s but the weights give %s; using the weights",
-                    source.name,
-                    field,
-                    hf_config[field],
-                    value,
-                )
+        check_config_agrees(
+            hf_config,
+            {
+                "num_layers": num_layers,
+                "attention_head_dim": head_dim,
+                "num_attention_heads": dim // head_dim,
+                "joint_attention_dim": text_dim,
+            },
+            config_name="transformer/config.json",
+            source=source,
+        )
+    elif dim in RELEASED_BLOCKS:
+        check_block_count(
+            num_layers,
+            RELEASED_BLOCKS[dim],
+            what=BLOCK,
+            said_by=f"the released Qwen-Image DiT at dim {dim}",
+            source=source,
+            remedy=f"{INCOMPLETE_REMEDY} A deliberately pruned model loads from a diffusers folder whose "
+            "transformer/config.json states its num_layers.",
+        )
     try:
         return DiTConfig(
             dim=dim,
-            num_layers=len(layers),
+            num_layers=num_layers,
             num_heads=dim // head_dim,
             head_dim=head_dim,
             text_dim=text_dim,

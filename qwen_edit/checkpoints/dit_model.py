@@ -5,6 +5,8 @@ Imported only when a DiT is built (it imports DiffSynth).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from diffsynth.models.general_modules import AdaLayerNorm, RMSNorm, TimestepEmbeddings
 from diffsynth.models.qwen_image_dit import (
@@ -14,8 +16,10 @@ from diffsynth.models.qwen_image_dit import (
     QwenImageTransformerBlock,
 )
 
-from .dit import DiTConfig
 from .materialize import meta_device
+
+if TYPE_CHECKING:  # annotations only: .dit imports this module when it builds a model
+    from .dit import DiTConfig
 
 
 def build_rope(config: DiTConfig) -> torch.nn.Module:

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .classify import Classification, expect_slot
+from .contained import resolve_inside
+from .integrity import check_float_dtypes
 from .safetensors_io import PICKLE_SUFFIXES, CheckpointError, SafetensorsHeader, check_suffix, read_header
 
 logger = logging.getLogger(__name__)
@@ -135,15 +137,16 @@ def read_json(path: Path | None) -> dict | None:
 def read_index(index_path: Path) -> tuple[SafetensorsHeader, ...]:
     """Validate a ``*.safetensors.index.json`` and the shards it lists, from headers only.
 
-    Every shard named in ``weight_map`` must exist and have a valid header, and
+    Every shard named in ``weight_map`` must lie inside the index's folder (after ``..`` and links are
+    resolved; checked for all entries before any shard is opened), exist and have a valid header, and
     every key must be in the shard the index assigns it to.
 
     Returns:
         The headers of the shards, sorted by file name.
 
     Raises:
-        CheckpointError: unreadable index, missing shard (named), truncated or
-            corrupted shard, key missing from its shard.
+        CheckpointError: unreadable index, a shard outside the folder (absolute, ``..``, a link out),
+            missing shard (named), truncated or corrupted shard, key missing from its shard.
     """
     index_path = Path(index_path)
     index = read_json(index_path)
@@ -153,7 +156,11 @@ def read_index(index_path: Path) -> tuple[SafetensorsHeader, ...]:
 
     by_shard: dict[str, list[str]] = {}
     for key, shard in weight_map.items():
-        by_shard.setdefault(str(shard), []).append(key)
+        if not isinstance(shard, str):
+            resolve_inside(index_path.parent, shard, named_by=index_path)  # raises: not a file name
+        by_shard.setdefault(shard, []).append(key)
+    for shard in by_shard:
+        resolve_inside(index_path.parent, shard, named_by=index_path)
 
     headers = []
     for shard in sorted(by_shard):
@@ -189,10 +196,10 @@ def _resolve_component(folder: Path, part: str) -> tuple[Path, ...]:
             folder, f"has {len(indexes)} index files; expected one.", "Remove the stale index file(s)."
         )
     if indexes:
-        return tuple(h.path for h in read_index(indexes[0]))
+        return tuple(h.path for h in read_index(resolve_inside(folder, indexes[0].name, named_by=folder)))
     files = sorted(folder.glob("*.safetensors"))
     if len(files) == 1:
-        return (files[0],)
+        return (resolve_inside(folder, files[0].name, named_by=folder),)
     if len(files) > 1:
         raise CheckpointError(
             folder,
@@ -210,13 +217,19 @@ def _resolve_component(folder: Path, part: str) -> tuple[Path, ...]:
 def resolve_diffusers_folder(root: Path | str) -> ModelFiles:
     """Find and validate the files of a diffusers / ModelScope model folder.
 
+    Every file it will read (index files, shards, ``config.json``, ``model_index.json``) must resolve
+    inside the folder that holds or names it (:func:`~.contained.resolve_inside`).
+
     Raises:
-        CheckpointError: missing sub-folder, missing or broken shard, wrong content.
+        CheckpointError: missing sub-folder, missing or broken shard, a file outside its folder, wrong content.
     """
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(root, "is not a folder.", "Pick the model folder that holds transformer/, vae/ ...")
     parts = {part: _resolve_component(root / folder, part) for part, folder in PART_FOLDERS.items()}
+    for json_file in (root / "model_index.json", *(root / folder / "config.json" for folder in PART_FOLDERS.values())):
+        if json_file.exists() or json_file.is_symlink():
+            resolve_inside(json_file.parent, json_file.name, named_by=json_file.parent)
     processor_dir = root / "processor"
     tokenizer_dir = root / "tokenizer"
     files = ModelFiles(
@@ -260,7 +273,8 @@ def validate_part(files: ModelFiles, part: str) -> tuple[tuple[SafetensorsHeader
     """Read the headers of one part and check it holds what its slot expects.
 
     Raises:
-        CheckpointError: broken header, a key in two shards, or the wrong kind of model.
+        CheckpointError: broken header, an integer or boolean tensor, a key in two shards, or the wrong
+            kind of model.
     """
     headers = tuple(read_header(p) for p in files.part(part))
     seen: dict[str, Path] = {}
@@ -274,6 +288,8 @@ def validate_part(files: ModelFiles, part: str) -> tuple[tuple[SafetensorsHeader
                 )
             seen[key] = header.path
     kind = expect_slot(headers, part, source=files.source(part))
+    for header in headers:
+        check_float_dtypes(header.dtypes(), source=header.path)
     return headers, kind
 
 

@@ -47,6 +47,9 @@ def read_tensors(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """Load every shard onto ``device`` in its stored dtype, renaming keys.
 
+    Each shard goes through :func:`~.safetensors_io.load_tensors`, which refuses integer / boolean
+    tensors and checks every tensor for NaN/Inf on ``device`` (one host sync per shard).
+
     Args:
         headers: validated headers of the shards.
         device: target device; tensors are read straight onto it.
@@ -54,15 +57,23 @@ def read_tensors(
 
     Returns:
         ``(tensors, sources)``: model name -> tensor, and model name -> shard it came from.
+
+    Raises:
+        CheckpointError: a shard cannot be read, or holds a non-float or non-finite tensor; the
+            tensors of the shards read before it are released first.
     """
     tensors: dict[str, torch.Tensor] = {}
     sources: dict[str, Path] = {}
-    for header in headers:
-        wanted = {key: rename(key) for key in header.tensors}
-        keep = [key for key, new in wanted.items() if new is not None]
-        for key, tensor in load_tensors(header.path, device=device, keys=keep).items():
-            tensors[wanted[key]] = tensor
-            sources[wanted[key]] = header.path
+    try:
+        for header in headers:
+            wanted = {key: rename(key) for key in header.tensors}
+            keep = [key for key, new in wanted.items() if new is not None]
+            for key, tensor in load_tensors(header.path, device=device, keys=keep).items():
+                tensors[wanted[key]] = tensor
+                sources[wanted[key]] = header.path
+    except BaseException:
+        tensors.clear()
+        raise
     return tensors, sources
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import CheckpointError
+
 logger = logging.getLogger(__name__)
 
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")  # ComfyUI also reads ".sft" as safetensors
@@ -54,26 +56,6 @@ DTYPE_SIZES: Mapping[str, int] = {
 }
 
 FLOAT8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, malformed, of the wrong kind or inconsistent.
-
-    The message always names the file and says what to do about it:
-    ``"<file name> <problem> <remedy> (full path: <path>)"``, so ``problem`` is
-    phrased as a predicate ("is truncated: ...", "was chosen as ...").
-
-    Attributes:
-        path: the file (or folder / index file) at fault.
-        problem: what is wrong, one sentence.
-        remedy: what the user should do.
-    """
-
-    def __init__(self, path: Path | str, problem: str, remedy: str):
-        self.path = Path(path)
-        self.problem = problem.rstrip()
-        self.remedy = remedy.rstrip()
-        super().__init__(f"{self.path.name} {self.problem} {self.remedy} (full path: {self.path})")
 
 
 @dataclass(frozen=True)
@@ -255,7 +237,12 @@ def load_tensors(
     device: Any = "cpu",
     keys: Iterable[str] | None = None,
 ) -> dict[str, Any]:
-    """Load tensors of one safetensors file with ``safetensors.safe_open`` (never pickle).
+    """Load tensors of one safetensors file with ``safetensors.safe_open`` (never pickle), checked.
+
+    Every checkpoint tensor of this pack is read here, so every loader gets the same checks
+    (:mod:`.integrity`): before any tensor is read, the wanted tensors' dtypes must be floating-point;
+    as they arrive on ``device``, each is checked for NaN/Inf there, with one host synchronization per
+    call at the end.
 
     Args:
         path: the file; its header should already have been validated with :func:`read_header`.
@@ -263,19 +250,33 @@ def load_tensors(
         keys: load only these names (all if None).
 
     Returns:
-        name -> ``torch.Tensor`` in the file's own dtype.
+        name -> ``torch.Tensor`` in the file's own dtype, all finite.
 
     Raises:
-        CheckpointError: the file cannot be opened or read by safetensors.
+        CheckpointError: the file cannot be opened or read by safetensors, a wanted tensor is an
+            integer or boolean one, or a wanted tensor holds NaN or Inf. Nothing read stays referenced.
     """
     from safetensors import SafetensorError, safe_open
 
+    from .integrity import FiniteCheck, check_float_dtypes, raise_if_nonfinite
+
     path = check_suffix(path)
+    tensors: dict[str, Any] = {}
+    check = FiniteCheck()
     try:
         with safe_open(str(path), framework="pt", device=str(device)) as handle:
             names = list(handle.keys()) if keys is None else list(keys)
-            return {name: handle.get_tensor(name) for name in names}
+            check_float_dtypes({name: handle.get_slice(name).get_dtype() for name in names}, source=path)
+            for name in names:
+                tensors[name] = handle.get_tensor(name)
+                check.add(name, tensors[name])
+        raise_if_nonfinite(check, source=path)
     except (OSError, SafetensorError) as exc:
+        tensors.clear()
         raise CheckpointError(
             path, f"could not be read by safetensors ({exc}).", "Download or copy the file again."
         ) from exc
+    except BaseException:
+        tensors.clear()
+        raise
+    return tensors

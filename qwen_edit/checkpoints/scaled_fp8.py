@@ -110,3 +110,33 @@ def _broadcastable(scale: torch.Tensor, weight: torch.Tensor, key: str, source: 
         "only per-tensor and per-row fp8 scales are supported.",
         "Use the bf16 text encoder (qwen_2.5_vl_7b.safetensors) instead.",
     )
+
+
+def pop_fp8_weights(tensors: dict[str, torch.Tensor], *, source: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Take every 2-D float8 ``*.weight`` out of ``tensors`` with its scale, to be kept in fp8.
+
+    Works in place on ``tensors``: the fp8 weights and their weight scales leave it (input scales and the
+    marker stay, for :func:`dequantize` to drop). A weight without a scale gets scale 1 (how ComfyUI reads it).
+
+    Returns:
+        stored weight name -> ``(weight float8 [out, in], scale float32: 0-dim per tensor or [out, 1] per row)``.
+
+    Raises:
+        CheckpointError: a scale whose shape is neither per-tensor nor per-output-row.
+    """
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key in [k for k, t in tensors.items() if t.dtype in FLOAT8_TORCH_DTYPES and t.ndim == 2
+                and k.endswith("weight")]:
+        if tensors[key].dtype != torch.float8_e4m3fn:
+            continue  # e5m2 weights are dequantized instead (the fp8 layers hold e4m3)
+        weight = tensors.pop(key)
+        prefix = key[: -len("weight")]
+        scale = None
+        for suffix in WEIGHT_SCALE_SUFFIXES:
+            if prefix + suffix[1:] in tensors:
+                scale = tensors.pop(prefix + suffix[1:])
+        if scale is None:
+            scale = torch.ones((), dtype=torch.float32, device=weight.device)
+        scale = _broadcastable(scale, weight, key, source)
+        out[key] = (weight, scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, 1))
+    return out

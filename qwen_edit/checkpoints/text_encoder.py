@@ -21,12 +21,13 @@ Key layouts accepted, all mapped to DiffSynth's names
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .blocks import INCOMPLETE_REMEDY, check_block_count, check_blocks
+from .config_json import check_config_agrees
 from .safetensors_io import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,19 @@ REFERENCE_MROPE_SECTION = (16, 24, 24)
 TEXT_HEAD_DIM = 128
 VISION_HEAD_DIM = 80
 
-_LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.")
-_VBLOCK = re.compile(r"^model\.visual\.blocks\.(\d+)\.")
+LAYERS = LM + "layers"
+LAYER = "language-model layer"
+VISION_BLOCKS = VISUAL + "blocks"
+VISION_BLOCK = "vision block"
+
+#: Qwen2.5-VL's released block counts by width: the 7B language model (hidden 3584) has 28 layers; its vision
+#: tower (hidden 1280) 32 blocks.
+RELEASED_LAYERS = {3584: 28}
+RELEASED_VISION_BLOCKS = {1280: 32}
+_PRUNED_REMEDY = (
+    f"{INCOMPLETE_REMEDY} A deliberately smaller model loads from a diffusers folder whose "
+    "text_encoder/config.json states its sizes."
+)
 
 
 def canonical_key(key: str) -> str:
@@ -167,6 +179,45 @@ def _config_value(hf_config: Mapping[str, Any] | None, *names: str, section: str
     return None
 
 
+def _declared(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The sizes a Hugging Face Qwen2.5-VL config.json states (text sizes top-level or under ``text_config``)."""
+    text = ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size")
+    vision = ("depth", "hidden_size", "intermediate_size", "out_hidden_size")
+    declared = {name: _config_value(hf_config, name) for name in text}
+    declared.update({f"vision_config.{n}": _config_value(hf_config, n, section="vision_config") for n in vision})
+    return declared
+
+
+def _check_counts(
+    hf_config: Mapping[str, Any] | None,
+    hidden: int,
+    num_layers: int,
+    vision_hidden: int,
+    vision_depth: int,
+    *,
+    source: Path,
+) -> None:
+    """Without a config stating the counts, a released width must hold the released number of blocks."""
+    if _config_value(hf_config, "num_hidden_layers") is None and hidden in RELEASED_LAYERS:
+        check_block_count(
+            num_layers,
+            RELEASED_LAYERS[hidden],
+            what=LAYER,
+            said_by=f"the released Qwen2.5-VL language model at hidden size {hidden}",
+            source=source,
+            remedy=_PRUNED_REMEDY,
+        )
+    if _config_value(hf_config, "depth", section="vision_config") is None and vision_hidden in RELEASED_VISION_BLOCKS:
+        check_block_count(
+            vision_depth,
+            RELEASED_VISION_BLOCKS[vision_hidden],
+            what=VISION_BLOCK,
+            said_by=f"the released Qwen2.5-VL vision tower at hidden size {vision_hidden}",
+            source=source,
+            remedy=_PRUNED_REMEDY,
+        )
+
+
 def infer_text_encoder_config(
     shapes: Mapping[str, tuple[int, ...]],
     *,
@@ -178,9 +229,13 @@ def infer_text_encoder_config(
     Head counts are not visible in the shapes; they come from ``hf_config`` (a
     diffusers ``text_encoder/config.json``) when given, else head_dim 128 (text)
     and 80 (vision) when they divide the sizes (the released 7B), else two heads.
+    The sizes the config states (layers, widths, vocabulary, vision depth) must
+    agree with the weights; without a config, the released widths must hold the
+    released block counts (28 layers at 3584, 32 vision blocks at 1280).
 
     Raises:
-        CheckpointError: missing tensors or inconsistent sizes.
+        CheckpointError: missing tensors, missing or incomplete layers / vision blocks,
+            inconsistent sizes, or a config (or released count) that disagrees with the weights.
     """
 
     def need(key: str) -> tuple[int, ...]:
@@ -192,6 +247,8 @@ def infer_text_encoder_config(
             )
         return tuple(shapes[key])
 
+    num_layers = check_blocks(shapes, prefix=LAYERS, what=LAYER, source=source)
+    vision_depth = check_blocks(shapes, prefix=VISION_BLOCKS, what=VISION_BLOCK, source=source)
     vocab, hidden = need(f"{LM}embed_tokens.weight")
     q_out, _ = need(f"{LM}layers.0.self_attn.q_proj.weight")
     kv_out, _ = need(f"{LM}layers.0.self_attn.k_proj.weight")
@@ -200,24 +257,36 @@ def infer_text_encoder_config(
     vision_intermediate, _ = need(f"{VISUAL}blocks.0.mlp.gate_proj.weight")
     merged, _ = need(f"{VISUAL}merger.mlp.0.weight")
     out_hidden, _ = need(f"{VISUAL}merger.mlp.2.weight")
-    layers = sorted({int(m.group(1)) for k in shapes if (m := _LAYER.match(k))})
-    vision_blocks = sorted({int(m.group(1)) for k in shapes if (m := _VBLOCK.match(k))})
     if len(patch) != 5:
         raise CheckpointError(source, f"has a {len(patch)}-d patch embedding; expected 5-d.", "Check the file.")
     vision_hidden, in_channels, temporal_patch, patch_size, _ = patch
     merge = round((merged / vision_hidden) ** 0.5)
 
     problems = []
-    if layers != list(range(len(layers))):
-        problems.append("language-model layers are missing")
-    if vision_blocks != list(range(len(vision_blocks))):
-        problems.append("vision blocks are missing")
     if q_out != hidden:
         problems.append(f"q_proj projects to {q_out}, not hidden_size {hidden}")
     if merge * merge * vision_hidden != merged:
         problems.append(f"merger input {merged} is not vision_hidden {vision_hidden} times a square")
     if problems:
         raise CheckpointError(source, f"has inconsistent text-encoder sizes: {'; '.join(problems)}.", "Check the file.")
+
+    _check_counts(hf_config, hidden, num_layers, vision_hidden, vision_depth, source=source)
+    if hf_config:
+        check_config_agrees(
+            _declared(hf_config),
+            {
+                "num_hidden_layers": num_layers,
+                "hidden_size": hidden,
+                "intermediate_size": intermediate,
+                "vocab_size": vocab,
+                "vision_config.depth": vision_depth,
+                "vision_config.hidden_size": vision_hidden,
+                "vision_config.intermediate_size": vision_intermediate,
+                "vision_config.out_hidden_size": out_hidden,
+            },
+            config_name="text_encoder/config.json",
+            source=source,
+        )
 
     heads = _config_value(hf_config, "num_attention_heads")
     kv_heads = _config_value(hf_config, "num_key_value_heads")
@@ -245,13 +314,13 @@ def infer_text_encoder_config(
     try:
         return TextEncoderConfig(
             hidden_size=hidden,
-            num_layers=len(layers),
+            num_layers=num_layers,
             num_heads=int(heads),
             num_kv_heads=int(kv_heads),
             intermediate_size=intermediate,
             vocab_size=vocab,
             mrope_section=tuple(mrope) if mrope else scaled_mrope_section(head_dim),
-            vision_depth=len(vision_blocks),
+            vision_depth=vision_depth,
             vision_hidden_size=vision_hidden,
             vision_num_heads=int(vision_heads),
             vision_intermediate_size=vision_intermediate,
@@ -261,7 +330,7 @@ def infer_text_encoder_config(
             vision_spatial_merge_size=merge,
             vision_in_channels=in_channels,
             vision_window_size=int(window) if window else 112,
-            vision_fullatt_block_indexes=tuple(fullatt) if fullatt else default_fullatt_blocks(len(vision_blocks)),
+            vision_fullatt_block_indexes=tuple(fullatt) if fullatt else default_fullatt_blocks(vision_depth),
         )
     except ValueError as exc:
         raise CheckpointError(

@@ -5,12 +5,16 @@ Imported only when a text encoder is built (it imports DiffSynth and transformer
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from diffsynth.models.qwen_image_text_encoder import QwenImageTextEncoder
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
 
 from .materialize import meta_device
-from .text_encoder import TextEncoderConfig
+
+if TYPE_CHECKING:  # annotations only: .text_encoder imports this module when it builds a model
+    from .text_encoder import TextEncoderConfig
 
 # Qwen2.5-VL special tokens (the tokenizer's ids; the vocabulary must cover them).
 BOS_TOKEN_ID = 151643
@@ -55,10 +59,11 @@ def hf_config(config: TextEncoderConfig) -> Qwen2_5_VLConfig:
 
 
 class SizedQwenImageTextEncoder(QwenImageTextEncoder):
-    """``QwenImageTextEncoder`` (``model`` = ``Qwen2_5_VLModel``, plus ``lm_head``) at any size.
+    """``QwenImageTextEncoder`` (``model`` = ``Qwen2_5_VLModel``) at any size, without ``lm_head``.
 
     ``forward`` is DiffSynth's: it returns the tuple of hidden states
-    ``[B, S, hidden_size]`` per layer. Parameters are created on ``meta``; the
+    ``[B, S, hidden_size]`` per layer and never reads ``lm_head`` (vocab x hidden, 1.09 GB
+    in bf16 at 7B), which is therefore not built. Parameters are created on ``meta``; the
     rotary-embedding buffers are built on CPU.
 
     Attributes:
@@ -71,7 +76,6 @@ class SizedQwenImageTextEncoder(QwenImageTextEncoder):
         hf = hf_config(config)
         with meta_device():
             self.model = Qwen2_5_VLModel(hf)
-            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.config = hf
         self.encoder_config = config
         rebuild_meta_buffers(self)

@@ -20,7 +20,9 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from .config_json import check_config_agrees
 from .safetensors_io import CheckpointError
 
 LATENT_CHANNELS = 16
@@ -228,11 +230,23 @@ _UP_RESNET = re.compile(r"^decoder\.up_blocks\.0\.resnets\.(\d+)\.conv1\.weight$
 _DOWN_RESAMPLE = re.compile(r"^encoder\.down_blocks\.(\d+)\.resample\.1\.weight$")
 
 
-def infer_vae_config(shapes: Mapping[str, tuple[int, ...]], *, source: Path) -> VAEConfig:
+def infer_vae_config(
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    source: Path,
+    hf_config: Mapping[str, Any] | None = None,
+) -> VAEConfig:
     """Read the VAE sizes from tensor shapes in diffusers names.
 
+    Args:
+        shapes: tensor name -> shape.
+        source: the file named in errors.
+        hf_config: diffusers ``vae/config.json`` if present: its ``base_dim``, ``z_dim``, ``dim_mult``,
+            ``num_res_blocks`` and ``temperal_downsample`` must agree with the weights.
+
     Raises:
-        CheckpointError: missing tensors, attention blocks DiffSynth cannot place, or a latent size other than 16.
+        CheckpointError: missing tensors, attention blocks DiffSynth cannot place, a latent size other than 16,
+            or a config that disagrees with the weights (naming both values).
     """
 
     def need(key: str) -> tuple[int, ...]:
@@ -268,6 +282,19 @@ def infer_vae_config(shapes: Mapping[str, tuple[int, ...]], *, source: Path) -> 
         )
     dim_mult = tuple(stages[i] // base_dim for i in sorted(stages, reverse=True))
     temporal = tuple(f"encoder.down_blocks.{i}.time_conv.weight" in shapes for i in resamples)
+    if hf_config is not None:
+        check_config_agrees(
+            hf_config,
+            {
+                "base_dim": base_dim,
+                "z_dim": z_dim,
+                "dim_mult": dim_mult,
+                "num_res_blocks": len(resnets) - 1,
+                "temperal_downsample": temporal,
+            },
+            config_name="vae/config.json",
+            source=source,
+        )
     try:
         return VAEConfig(
             base_dim=base_dim,

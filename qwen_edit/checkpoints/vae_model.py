@@ -5,11 +5,15 @@ Imported only when a VAE is built (it imports DiffSynth).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from diffsynth.models.qwen_image_vae import QwenImageVAE
 
 from .materialize import meta_device
-from .vae import VAEConfig
+
+if TYPE_CHECKING:  # annotations only: .vae imports this module when it builds a model
+    from .vae import VAEConfig
 
 
 def _latent_statistics() -> tuple[torch.Tensor, torch.Tensor]:

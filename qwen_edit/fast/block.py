@@ -4,24 +4,27 @@
 LayerNorm, Q/K/V, QK RMSNorm, RoPE, joint attention, output projections, gated residuals, MLPs)
 for a batch, written so that ``torch.compile`` turns the elementwise work into few kernels:
 
-* Q/K/V: one GEMM per stream when :func:`.qkv.fuse_qkv` has run (``attn.to_qkv``,
+* Q/K/V: one GEMM per stream when the block has a fused layer (:func:`.qkv.fuse_qkv`, ``attn.to_qkv``,
   ``attn.add_qkv_proj``), else DiffSynth's three.
-* QK RMSNorm and RoPE in one pass per q/k (:func:`qk_norm_rope`, real cos/sin, no complex ops),
+* QK RMSNorm and RoPE in one pass per q/k (:func:`.rope.qk_norm_rope`, real cos/sin, no complex ops),
   writing straight into the joint sequence.
 * modulation: the six shift/scale/gate vectors of each stream come from one GEMM and are views
   (no copies); ``norm -> (1 + scale) * x + shift`` is one ``addcmul`` and the gated residuals are
   ``addcmul`` too (one pass each in eager, fused into neighbours by Inductor).
-* MLP through :func:`.mlp.mlp_residual`: with a row-wise fp8 second linear on a GPU, bias + GELU +
-  quantization of the hidden state in one Triton kernel; on Hopper, for the image stream, in the up-projection's
-  own GEMM (:mod:`...fp8.gelu_gemm`, its input quantized with row norms).
-* gated residual updates in the output projections' cuBLASLt epilogue where the layers run there and the gate
-  is one row (:mod:`.residual_gemm`).
-* with row-wise fp8 consumers on a GPU, LayerNorm + modulation + quantization of each stream's
-  attention and MLP input in one Triton kernel (:mod:`.prequant`), shared by Q/K/V; before the MLP the
-  same kernel also applies the gated residual update of the attention output.
 * attention through :func:`...fp8.attention.attention` (the user's backend) on the joint sequence
   ``[image, text]``; right-padded text is handled per sample (valid keys only) or by an SDPA key mask.
   ``cudnn_fp8`` goes through :mod:`.fp8_attention` instead, which folds its quantization into the block.
+
+The fused kernels it may use come in ``kernels`` (:class:`.block_kernels.BlockKernels`, decided by
+:func:`.kernel_plan.select_kernels`); each runs where the block's layers are the kind it is written for:
+
+* with row-wise fp8 consumers, LayerNorm + modulation + quantization of each stream's attention and MLP input in
+  one Triton kernel (:mod:`.prequant`), shared by Q/K/V; before the MLP the same kernel also applies the gated
+  residual update of the attention output;
+* the MLP through :func:`.mlp.mlp_residual`: bias + GELU + quantization of the hidden state in one Triton kernel,
+  or the whole up-projection in the fused GELU GEMM;
+* gated residual updates in the output projections' cuBLASLt epilogue (:mod:`.residual_gemm`);
+* with ``cudnn_fp8``, the QK and v kernels of :mod:`.fp8_attention` and the joint v GEMM.
 
 No ``.item()`` / ``.tolist()``: nothing here syncs with the host.
 """
@@ -33,8 +36,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ...fp8.attention import attention
-from ...fp8.v_gemm import joint_v_gemm
-from . import qkv
+from ..kernels.joint_v_gemm import joint_v_gemm
+from .block_kernels import BlockKernels
 from .fp8_attention import cudnn_fp8_joint_attention, joint_v_layers, split_output
 from .mlp import mlp_residual, mlp_takes_prequantized, uses_gelu_gemm
 from .prequant import (
@@ -46,6 +49,7 @@ from .prequant import (
     unbiased_output,
 )
 from .qkv import FUSED_IMAGE, FUSED_TEXT
+from .rope import qk_norm_rope
 
 MASK_BACKENDS: dict[str, SDPBackend | None] = {
     "sdpa": None,
@@ -54,51 +58,6 @@ MASK_BACKENDS: dict[str, SDPBackend | None] = {
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
 }
 """Attention backends that take a key mask (``text_padding="mask"``): SDPA, PyTorch's choice or forced."""
-
-
-def rope_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """DiffSynth's ``apply_rotary_emb_qwen`` with real ops (Inductor fuses them; it cannot codegen complex).
-
-    x: (B, S, H, Dh), channel pairs (2i, 2i+1) rotated by angle i; cos, sin: (S, Dh // 2) float32.
-    Returns (B, S, H, Dh) in x.dtype, computed in float32.
-    """
-    pairs = x.float().unflatten(-1, (-1, 2))
-    re, im = pairs[..., 0], pairs[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.stack((re * c - im * s, re * s + im * c), dim=-1).flatten(-2).to(x.dtype)
-
-
-def rope_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The same rotation as one complex multiply, DiffSynth's way (fewer kernels in eager mode)."""
-    freqs = torch.complex(cos, sin)[:, None, :]
-    rotated = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous()) * freqs
-    return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
-
-
-def qk_norm_rope(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
-    """DiffSynth's ``RMSNorm`` over the head dim, then its ``apply_rotary_emb_qwen``.
-
-    Args:
-        x: (B, S, H, Dh) q or k, any strides (e.g. a view into a fused QKV output), bf16 or fp32.
-        weight: (Dh,) RMSNorm weight (None: no affine).
-        eps: RMSNorm epsilon.
-        cos, sin: (S, Dh // 2) float32, the real and imaginary parts of DiffSynth's ``freqs_cis``.
-
-    Returns:
-        (B, S, H, Dh) contiguous in ``x.dtype``. Rounding points are DiffSynth's: the normalized value is
-        rounded to ``x.dtype`` before the weight multiply, the rotation runs in float32 and is rounded back.
-        Under ``torch.compile`` the rotation is real arithmetic (:func:`rope_real`) and the whole function
-        becomes one kernel per q / k; in eager mode it is ``F.rms_norm`` (one kernel on CUDA) and one
-        complex multiply (:func:`rope_complex`).
-    """
-    y = F.rms_norm(x, (x.shape[-1],), eps=eps)
-    if weight is not None:
-        y = y * weight
-    if torch.compiler.is_compiling():
-        return rope_real(y, cos, sin)
-    return rope_complex(y, cos, sin)
 
 
 def _mod_params(mod: torch.Tensor, dim: int, selector: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -116,42 +75,37 @@ def _mod_params(mod: torch.Tensor, dim: int, selector: torch.Tensor | None) -> t
     return tuple(torch.where(selector, first[:, :, j], second[:, :, j]) for j in range(6))
 
 
-def _qkv_layers(attn: torch.nn.Module, image_stream: bool) -> tuple[torch.nn.Module, ...]:
+def qkv_layers(attn: torch.nn.Module, image_stream: bool) -> tuple[torch.nn.Module, ...]:
     """The fused QKV linear of one stream, or its three projections."""
     fused = getattr(attn, FUSED_IMAGE if image_stream else FUSED_TEXT, None)
-    if fused is not None and ("image" if image_stream else "text") in qkv.USE_FUSED:
+    if fused is not None:
         return (fused,)
     return (attn.to_q, attn.to_k, attn.to_v) if image_stream else (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
 
 
-def _qkv(attn: torch.nn.Module, layers: tuple[torch.nn.Module, ...], x: torch.Tensor | Prequantized
-         ) -> tuple[torch.Tensor, ...]:
+def _qkv(attn: torch.nn.Module, layers: tuple[torch.nn.Module, ...], x: torch.Tensor | Prequantized,
+         kernels: BlockKernels) -> tuple[torch.Tensor, ...]:
     """q, k, v of one stream, each (B, S, H, Dh) (views into one GEMM output when fused)."""
     heads, head_dim = attn.num_heads, attn.head_dim
     if len(layers) == 1:
-        return apply_linear(layers[0], x).unflatten(-1, (3, heads, head_dim)).unbind(2)
-    return tuple(apply_linear(p, x).unflatten(-1, (heads, head_dim)) for p in layers)
+        return apply_linear(layers[0], x, kernels).unflatten(-1, (3, heads, head_dim)).unbind(2)
+    return tuple(apply_linear(p, x, kernels).unflatten(-1, (heads, head_dim)) for p in layers)
 
 
-def _qkv_unbiased(attn: torch.nn.Module, layers: tuple[torch.nn.Module, ...], x: torch.Tensor | Prequantized
-                  ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
+def _qkv_unbiased(attn: torch.nn.Module, layers: tuple[torch.nn.Module, ...], x: torch.Tensor | Prequantized,
+                  kernels: BlockKernels) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
     """Like :func:`_qkv`, but a row-wise fp8 layer's bias is left out and returned, (H, Dh) per q / k / v,
     for the consumer to add in its own pass (:func:`.prequant.unbiased_output`); None where it was added."""
     heads, head_dim = attn.num_heads, attn.head_dim
     b, s = (x.batch, x.tokens) if isinstance(x, Prequantized) else x.shape[:2]
     flat = x if isinstance(x, Prequantized) else x.reshape(-1, x.shape[-1])
-    outputs = [unbiased_output(layer, flat) for layer in layers]
+    outputs = [unbiased_output(layer, flat, kernels) for layer in layers]
     if len(layers) == 1:
         y, bias = outputs[0]
         biases = (None,) * 3 if bias is None else bias.reshape(3, heads, head_dim).unbind(0)
         return y.reshape(b, s, 3, heads, head_dim).unbind(2), biases
     return (tuple(y.reshape(b, s, heads, head_dim) for y, _ in outputs),
             tuple(None if bias is None else bias.reshape(heads, head_dim) for _, bias in outputs))
-
-
-def _with_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x + bias in x's dtype (as a linear layer adds it), or x."""
-    return x if bias is None else x + bias.to(x.dtype)
 
 
 def length_carriers(lens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -214,6 +168,7 @@ def fast_block(
     txt_lens: tuple[int, ...] | None,
     key_mask: torch.Tensor | None,
     backend: str,
+    kernels: BlockKernels,
     mods: tuple[torch.Tensor, torch.Tensor] | None = None,
     target: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,6 +189,8 @@ def fast_block(
             (per-sample attention).
         key_mask: None, or a (B, 1, 1, S_img + L) bool SDPA key mask.
         backend: attention backend name (``fp8.attention.BACKENDS``).
+        kernels: the fused kernels the block may use (:class:`.block_kernels.BlockKernels`; ``BlockKernels()``:
+            none).
         mods: None, or this block's ``(img_mod.1(temb_img), txt_mod.1(temb_txt))`` computed beforehand
             (:func:`.modulation.block_modulations`), (rows, 6 * D) each.
         target: None, or for the last block a (T, 0) size carrier (:func:`length_carriers`): the forward reads
@@ -248,24 +205,27 @@ def fast_block(
     dim = image.shape[-1]
     si = image.shape[1]
     if mods is None:
-        img_mod, txt_mod = block.img_mod[1](temb_img), block.txt_mod[1](temb_txt)
+        img_mod, txt_mod = block.img_mod[1](temb_img), block.txt_mod[1](temb_txt)  # 1 or 2 rows: never small-M
     else:
         img_mod, txt_mod = mods
     img_p = _mod_params(img_mod, dim, selector)
     txt_p = _mod_params(txt_mod, dim, None)
 
-    img_qkv, txt_qkv = _qkv_layers(attn, True), _qkv_layers(attn, False)
+    img_qkv, txt_qkv = qkv_layers(attn, True), qkv_layers(attn, False)
     img_fp8 = all(takes_prequantized(p) for p in img_qkv)
     txt_fp8 = all(takes_prequantized(p) for p in txt_qkv)
-    v_layers = joint_v_layers(img_qkv, txt_qkv, image, backend) if key_mask is None else None
+    v_layers = joint_v_layers(img_qkv, txt_qkv) if kernels.joint_v_gemm and key_mask is None else None
     norms = v_layers is not None  # the joint v GEMM's bound needs both inputs' row norms
-    img_x = modulated_input(image, block.img_norm1.eps, img_mod, 0, 1, img_p[0], img_p[1], selector, img_fp8, norms)
-    txt_x = modulated_input(text, block.txt_norm1.eps, txt_mod, 0, 1, txt_p[0], txt_p[1], None, txt_fp8, norms)
+    img_x = modulated_input(image, block.img_norm1.eps, img_mod, 0, 1, img_p[0], img_p[1], selector, img_fp8,
+                            kernels, norms)
+    txt_x = modulated_input(text, block.txt_norm1.eps, txt_mod, 0, 1, txt_p[0], txt_p[1], None, txt_fp8, kernels,
+                            norms)
     if backend in ("cudnn_fp8", "cudnn_fp8_emulated") and key_mask is None:
         # The QKV biases go into the fused QK and v kernels instead of a pass of their own.
         v_gemm = norms and all(isinstance(x, Prequantized) and x.norms is not None for x in (img_x, txt_x))
-        (q_i, k_i, *v_i), (bq_i, bk_i, *bv_i) = _qkv_unbiased(attn, img_qkv[:2] if v_gemm else img_qkv, img_x)
-        (q_t, k_t, v_t), (bq_t, bk_t, bv_t) = _qkv_unbiased(attn, txt_qkv, txt_x)
+        (q_i, k_i, *v_i), (bq_i, bk_i, *bv_i) = _qkv_unbiased(attn, img_qkv[:2] if v_gemm else img_qkv, img_x,
+                                                              kernels)
+        (q_t, k_t, v_t), (bq_t, bk_t, bv_t) = _qkv_unbiased(attn, txt_qkv, txt_x, kernels)
         v_joint = None
         if v_gemm:  # the image v GEMM writes the joint e4m3 v (and the text rows), scale from a bound
             v_img, v_txt = v_layers
@@ -274,11 +234,11 @@ def fast_block(
             v_i, bv_i = [None], [None]
         fp8_out = takes_prequantized(attn.to_out[0]) and takes_prequantized(attn.to_add_out)
         out = cudnn_fp8_joint_attention(attn, (q_i, q_t), (k_i, k_t), (v_i[0], v_t), cos, sin, txt_lens, fp8_out,
-                                        backend == "cudnn_fp8_emulated", (bq_i, bq_t), (bk_i, bk_t), (bv_i[0], bv_t),
-                                        v_joint, target)
+                                        kernels, backend == "cudnn_fp8_emulated", (bq_i, bq_t), (bk_i, bk_t),
+                                        (bv_i[0], bv_t), v_joint, target)
     else:
-        q_i, k_i, v_i = _qkv(attn, img_qkv, img_x)
-        q_t, k_t, v_t = _qkv(attn, txt_qkv, txt_x)
+        q_i, k_i, v_i = _qkv(attn, img_qkv, img_x, kernels)
+        q_t, k_t, v_t = _qkv(attn, txt_qkv, txt_x, kernels)
         v = torch.cat([v_i, v_t], dim=1)
         cos_i, sin_i, cos_t, sin_t = cos[:si], sin[:si], cos[si:], sin[si:]
         q = torch.cat([qk_norm_rope(q_i, attn.norm_q.weight, attn.norm_q.eps, cos_i, sin_i),
@@ -296,14 +256,14 @@ def fast_block(
 
     image, img_in = residual_then_modulated(image, img_p[2], attn.to_out[0], img_attn, block.img_norm2.eps,
                                             img_mod, (2, 3, 4), img_p[3], img_p[4], selector,
-                                            mlp_takes_prequantized(block.img_mlp, image),
-                                            uses_gelu_gemm(block.img_mlp, image))
+                                            mlp_takes_prequantized(block.img_mlp, kernels), kernels,
+                                            uses_gelu_gemm(block.img_mlp, "image", kernels))
     if kept is not None:
-        return mlp_residual(block.img_mlp, img_in, image, img_p[5]), text
+        return mlp_residual(block.img_mlp, img_in, image, img_p[5], kernels), text
     text, txt_in = residual_then_modulated(text, txt_p[2], attn.to_add_out, txt_attn, block.txt_norm2.eps,
                                            txt_mod, (2, 3, 4), txt_p[3], txt_p[4], None,
-                                           mlp_takes_prequantized(block.txt_mlp, text),
-                                           uses_gelu_gemm(block.txt_mlp, text))
-    image = mlp_residual(block.img_mlp, img_in, image, img_p[5])
-    text = mlp_residual(block.txt_mlp, txt_in, text, txt_p[5])
+                                           mlp_takes_prequantized(block.txt_mlp, kernels), kernels,
+                                           uses_gelu_gemm(block.txt_mlp, "text", kernels))
+    image = mlp_residual(block.img_mlp, img_in, image, img_p[5], kernels)
+    text = mlp_residual(block.txt_mlp, txt_in, text, txt_p[5], kernels)
     return image, text

@@ -2,11 +2,12 @@
 
 The fast forward calls ``fast_block(block, ...)`` with the block module as an argument instead of
 calling ``block(...)``, so compiling ``block._call_impl`` (``qwen_edit.compile``) does not apply to
-it. :func:`compile_blocks` registers a compiled ``fast_block`` for a model instead. Dynamo inlines
-the block module (``inline_inbuilt_nn_modules``, on by default since PyTorch 2.5): its parameters
+it. :meth:`.prepared.PreparedDit.compile_blocks` makes a model's forward use a compiled ``fast_block`` instead.
+Dynamo inlines the block module (``inline_inbuilt_nn_modules``, on by default since PyTorch 2.5): its parameters
 and buffers are graph inputs, so one compiled graph serves the first 59 blocks (same structure), a second one the
-last block (which computes only the target tokens after its attention: ``fast_forward.TRIM_LAST_BLOCK``), and
-changing weights in place (a LoRA strength) never recompiles.
+last block (which computes only the target tokens after its attention: ``ForwardOptions.trim_last_block``), and
+changing weights in place (a LoRA strength) never recompiles. The block's fused kernels arrive as a frozen
+``BlockKernels`` value, which Dynamo guards by value.
 
 Shapes: with ``dynamic=None`` (default) the sequence dims (image tokens, text tokens) are marked
 dynamic before each call (``torch._dynamo.maybe_mark_dynamic``), so a new resolution or prompt
@@ -17,8 +18,6 @@ length reuses the graph; the batch size stays static (batch 1 and batch 2 are tw
 from __future__ import annotations
 
 import functools
-import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import torch
 
 from .block import fast_block
 
-logger = logging.getLogger(__name__)
+__all__ = ["CompiledBlocks", "compiled_blocks", "mark_sequence_dynamic"]
 
 
 @dataclass(frozen=True)
@@ -44,25 +43,18 @@ class CompiledBlocks:
         return self.dynamic is None
 
 
-_REGISTRY: weakref.WeakKeyDictionary[torch.nn.Module, CompiledBlocks] = weakref.WeakKeyDictionary()
-
-
 @functools.cache
 def _compiled(backend: str | Callable, mode: str | None, dynamic: bool | None, fullgraph: bool) -> Callable:
+    """One ``torch.compile`` wrapper per setting: dynamo caches graphs per code object, so every model compiled with
+    the same settings shares them."""
     return torch.compile(fast_block, backend=backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph)
 
 
-def compile_blocks(
-    dit: torch.nn.Module,
-    mode: str | None = None,
-    dynamic: bool | None = None,
-    fullgraph: bool = False,
-    backend: str | Callable = "inductor",
-) -> CompiledBlocks:
-    """Make :func:`~..fast_forward.fast_model_fn` run ``dit``'s blocks through one compiled ``fast_block``.
+def compiled_blocks(mode: str | None = None, dynamic: bool | None = None, fullgraph: bool = False,
+                    backend: str | Callable = "inductor") -> CompiledBlocks:
+    """The compiled block function for these settings.
 
     Args:
-        dit: the model (nothing in it changes; the choice is remembered for it, weakly).
         mode: ``torch.compile`` mode (None = default, ``"max-autotune-no-cudagraphs"``, ...).
         dynamic: None (sequence dims dynamic, batch static), False (static) or True (all dynamic).
         fullgraph: True raises on any graph break inside a block. Off by default because the
@@ -71,26 +63,12 @@ def compile_blocks(
             without breaks (tests/unit/test_fast_forward_compile.py checks).
         backend: ``torch.compile`` backend (``"inductor"``; tests count graphs with their own).
 
-    Compilation itself happens on the first forward. Compiled graphs are shared by every model
-    compiled with the same settings (dynamo caches per code object); the lead's recompile limit
-    (``qwen_edit.compile.dynamo_settings``) applies.
+    Compilation itself happens on the first forward, under the recompile limit of
+    ``qwen_edit.compile.dynamo_settings``.
     """
     if mode is not None and backend != "inductor":
         raise ValueError(f"mode={mode!r} applies to the inductor backend only, not {backend!r}")
-    compiled = CompiledBlocks(_compiled(backend, mode, dynamic, fullgraph), backend, mode, dynamic, fullgraph)
-    _REGISTRY[dit] = compiled
-    logger.info("fast forward: blocks compiled on first use (mode=%s, dynamic=%s)", mode, dynamic)
-    return compiled
-
-
-def uncompile_blocks(dit: torch.nn.Module) -> None:
-    """Run ``dit``'s blocks eagerly again."""
-    _REGISTRY.pop(dit, None)
-
-
-def compiled_blocks(dit: torch.nn.Module) -> CompiledBlocks | None:
-    """The compile choice registered for ``dit``, or None (eager)."""
-    return _REGISTRY.get(dit)
+    return CompiledBlocks(_compiled(backend, mode, dynamic, fullgraph), backend, mode, dynamic, fullgraph)
 
 
 def mark_sequence_dynamic(*tensors_and_dims: tuple[torch.Tensor | None, int]) -> None:

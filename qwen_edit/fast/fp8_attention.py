@@ -4,12 +4,15 @@ The generic ``fp8.attention.attention(q, k, v, "cudnn_fp8")`` finds each scale w
 tensor and dequantizes the output. Inside a block neither pass is needed:
 
 * q and k come out of RMSNorm + RoPE, so |q| <= sqrt(Dh) * max |norm weight|
-  (:func:`...fp8.attention.cudnn_fp8.rms_norm_bound`): a static per-tensor scale, and one Triton kernel
-  per q / k (:mod:`...fp8.qk_norm_quant`) reads both streams' projections and writes the joint e4m3
-  sequence (on CPU, or with ``QWEN_EDIT_FUSED_QK_QUANT=0``, the same math in torch ops);
+  (:func:`...fp8.attention.cudnn_fp8.rms_norm_bound`): a static per-tensor scale. Where the kernel plan has
+  ``qk_quant``, one Triton kernel per q / k (:mod:`..kernels.qk_norm_rope_quant`) reads both streams'
+  projections, takes the bound from the RMSNorm weights and writes the joint e4m3 sequence and its descale;
+  otherwise the same math runs in torch ops;
 * v has no such bound: its per-tensor max, then the cast into the joint sequence, with the projection
-  biases added on the way (two Triton kernels, :mod:`...fp8.v_quant`; in torch ops on CPU or with
-  ``QWEN_EDIT_FUSED_V_QUANT=0``);
+  biases added on the way. Where the plan has ``v_quant``, two Triton kernels (:mod:`..kernels.joint_v_quant`),
+  the cast kernel also writing 1 / descale (cuDNN's output scale) and the output projections' row scales;
+  otherwise torch ops. Where the plan has ``joint_v_gemm`` the block's image v GEMM already wrote the joint v
+  (:mod:`..kernels.joint_v_gemm`, :func:`joint_v_layers`);
 * the e4m3 output, in units of v's scale, feeds the row-wise fp8 output projections directly as a
   :class:`.prequant.Prequantized` with that scale on every row, when both output projections are
   row-wise fp8 GEMMs; otherwise it is dequantized to bf16.
@@ -22,46 +25,17 @@ boolean mask) is refused for ``cudnn_fp8`` before any work: its ``split`` mode i
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ...fp8.attention.cudnn_fp8 import (
-    E4M3_MAX,
-    attention_quantized,
-    quantize_with_bound,
-    rms_norm_bound,
-)
+from ...fp8.attention.cudnn_fp8 import attention_quantized, quantize_with_bound, rms_norm_bound
 from ...fp8.linear import ScaledMMLinear
-from ...fp8.qk_norm_quant import qk_norm_quant_problem, qk_norm_rope_quantize, qk_norm_rope_quantize_scaled
-from ...fp8.v_quant import JointV, joint_v_quantize_scales, reference_joint_v_quantize
+from ..kernels.joint_v_quant import JointV, joint_v_quantize_scales, reference_joint_v_quantize
+from ..kernels.qk_norm_rope_quant import qk_norm_rope_quantize_scaled
+from .block_kernels import BlockKernels
 from .prequant import Prequantized
+from .rope import qk_norm_rope, with_bias
 
-__all__ = ["FUSED_QK_QUANT", "FUSED_V_QUANT", "JOINT_V_GEMM", "QK_KERNEL_BOUND", "V_KERNEL_SCALARS",
-           "Fp8AttentionOutput", "cudnn_fp8_joint_attention", "joint_v_layers", "split_output"]
-
-FUSED_QK_QUANT = os.environ.get("QWEN_EDIT_FUSED_QK_QUANT", "1") != "0"
-"""QK RMSNorm + RoPE + e4m3 cast in one Triton kernel per q / k (:mod:`...fp8.qk_norm_quant`) where it can
-run; ``QWEN_EDIT_FUSED_QK_QUANT=0`` leaves it to Inductor (the benchmark times both)."""
-
-FUSED_V_QUANT = os.environ.get("QWEN_EDIT_FUSED_V_QUANT", "1") != "0"
-"""v's bias + concatenation + per-tensor max + e4m3 cast in two Triton kernels (:mod:`...fp8.v_quant`) where they
-can run; ``QWEN_EDIT_FUSED_V_QUANT=0`` leaves it to Inductor (the benchmark times both)."""
-
-
-V_KERNEL_SCALARS = True
-"""With the fused v kernels: take 1 / descale (cuDNN's output scale) and the output projections' row scales from
-the v cast kernel (:func:`...fp8.v_quant.joint_v_quantize_scales`) instead of a reciprocal kernel and two
-expansions per block. A module switch so that ``bench/forward_ab_bench.py --scalars`` times both."""
-
-JOINT_V_GEMM = os.environ.get("QWEN_EDIT_JOINT_V_GEMM", "1") != "0"
-"""The image stream's v GEMM writes the joint e4m3 v itself, its scale from a bound (:mod:`...fp8.v_gemm`), where
-:func:`joint_v_layers` allows; ``QWEN_EDIT_JOINT_V_GEMM=0`` keeps the v kernels (the benchmark times both)."""
-
-QK_KERNEL_BOUND = True
-"""With the fused q / k kernel: the kernel takes the q and k bounds from the RMSNorm weights itself and writes the
-descale (:func:`...fp8.qk_norm_quant.qk_norm_rope_quantize_scaled`) instead of two reductions per block before it.
-A module switch so that ``bench/forward_ab_bench.py --qk-bound`` times both."""
+__all__ = ["Fp8AttentionOutput", "cudnn_fp8_joint_attention", "joint_v_layers", "split_output"]
 
 
 class Fp8AttentionOutput:
@@ -74,28 +48,20 @@ class Fp8AttentionOutput:
         self.out8, self.descale, self.row_scales = out8, descale, row_scales
 
 
-def joint_v_layers(img_qkv: tuple[torch.nn.Module, ...], txt_qkv: tuple[torch.nn.Module, ...], image: torch.Tensor,
-                   backend: str) -> tuple[torch.nn.Module, torch.nn.Module] | None:
-    """(the image v layer, the text layer holding v) when :func:`...fp8.v_gemm.joint_v_gemm` can make the joint v
-    for this block and input (B, S_img, D); else None. Needs :data:`JOINT_V_GEMM`, the ``cudnn_fp8`` backend, three
-    image projections, fast-accumulation row-wise fp8 layers with a ``column_bound`` (CUDA), a Hopper GPU, image
-    tokens a multiple of the kernel's 128-row tiles and at least ``v_gemm.MIN_IMAGE_ROWS`` image rows. The inputs must
-    then arrive quantized with row norms (the caller asks the LayerNorm kernels for them)."""
-    from ...fp8.gelu_gemm import CONFIG
-    from ...fp8.v_gemm import MIN_IMAGE_ROWS
-
-    if not JOINT_V_GEMM or backend != "cudnn_fp8" or len(img_qkv) != 3 or not image.is_cuda:
+def joint_v_layers(img_qkv: tuple[torch.nn.Module, ...], txt_qkv: tuple[torch.nn.Module, ...]
+                   ) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(the image v layer, the text layer holding v) when their kind lets :func:`..kernels.joint_v_gemm.joint_v_gemm`
+    make the joint v: three image projections, and fast-accumulation row-wise fp8 layers (not emulated) with a
+    ``column_bound`` (kept for CUDA layers); else None. The kernel plan checks the rest (``joint_v_gemm``: the
+    ``cudnn_fp8`` backend, Hopper, whole 128-row tiles, enough rows); the inputs must then arrive quantized with
+    row norms (the caller asks the LayerNorm kernels for them)."""
+    if len(img_qkv) != 3:
         return None
     v_img, v_txt = img_qkv[2], txt_qkv[-1]
     for layer in (v_img, v_txt):
         if (not isinstance(layer, ScaledMMLinear) or layer.granularity != "rowwise" or layer.emulate
                 or not layer.fast_accum or layer.column_bound is None):
             return None
-    tokens = image.shape[1]
-    if tokens % CONFIG[0] or image.shape[0] * tokens < MIN_IMAGE_ROWS:
-        return None
-    if tuple(torch.cuda.get_device_capability(image.device)) != (9, 0):
-        return None
     return v_img, v_txt
 
 
@@ -109,21 +75,16 @@ def _norm_rope_quantize(attn: torch.nn.Module, parts: tuple[torch.Tensor, torch.
                         cos: torch.Tensor, sin: torch.Tensor, fused: bool,
                         biases: tuple[torch.Tensor | None, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """One of q / k: both streams (plus their projection biases, if not yet added) through their RMSNorm and
-    RoPE into the joint e4m3 sequence, and its descale."""
-    from .block import _with_bias, qk_norm_rope  # here, not at import: block imports this module
-
+    RoPE into the joint e4m3 sequence, and its descale. ``fused``: the Triton kernel, which also takes the bound
+    from the RMSNorm weights."""
     image, text = parts
     n_img, n_txt = (getattr(attn, name) for name in norms)
-    if fused and QK_KERNEL_BOUND:
+    if fused:
         x8, descale = qk_norm_rope_quantize_scaled(image, text, n_img.weight, n_txt.weight, n_img.eps, n_txt.eps,
                                                    cos, sin, *biases)  # fmt: skip
         return x8, descale.reshape(1, 1, 1, 1)
     bound = _joint_bound(attn, norms, image.shape[-1], image.device)
-    if fused:
-        x8 = qk_norm_rope_quantize(image, text, n_img.weight, n_txt.weight, n_img.eps, n_txt.eps, cos, sin, bound,
-                                   *biases)  # fmt: skip
-        return x8, (bound / E4M3_MAX).reshape(1, 1, 1, 1)
-    image, text = _with_bias(image, biases[0]), _with_bias(text, biases[1])
+    image, text = with_bias(image, biases[0]), with_bias(text, biases[1])
     si = image.shape[1]
     joint = torch.cat([qk_norm_rope(image, n_img.weight, n_img.eps, cos[:si], sin[:si]),
                        qk_norm_rope(text, n_txt.weight, n_txt.eps, cos[si:], sin[si:])], dim=1)  # fmt: skip
@@ -139,6 +100,7 @@ def cudnn_fp8_joint_attention(
     sin: torch.Tensor,
     txt_lens: tuple[torch.Tensor, ...] | None,
     fp8_output: bool,
+    kernels: BlockKernels,
     emulate: bool = False,
     q_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     k_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
@@ -154,30 +116,25 @@ def cudnn_fp8_joint_attention(
     attn: the block's attention module (its ``norm_q`` / ``norm_added_q`` / ``norm_k`` / ``norm_added_k``
     RMSNorms). q_parts, k_parts, v_parts: (image, text) projections (q and k before QK RMSNorm and RoPE),
     (B, S_img, H, Dh) and (B, L, H, Dh) bf16, any strides with Dh contiguous; S = S_img + L.
-    cos, sin: (S, Dh // 2) float32 RoPE tables. ``emulate``: the kernel's fp32 mirror instead of cuDNN
-    (backend ``cudnn_fp8_emulated``). q_biases, k_biases, v_biases: (image, text) (H, Dh) projection biases
-    that the parts do not include yet, or None. v_joint: the joint e4m3 v already made
-    (:func:`...fp8.v_gemm.joint_v_gemm`); ``v_parts`` and ``v_biases`` are then not read. query_tokens: None, or
-    a (T, 0) size carrier: only each sample's first T query rows are computed (cuDNN gets q's first T rows and
-    every key), for a caller that reads only those; the output then holds T rows per sample. (cuDNN's padding mask
-    on the queries instead gained less: docs/benchmarks.md, eighteenth session.)
+    cos, sin: (S, Dh // 2) float32 RoPE tables. ``kernels``: the block's kernel plan (``qk_quant``, ``v_quant``).
+    ``emulate``: the kernel's fp32 mirror instead of cuDNN (backend ``cudnn_fp8_emulated``). q_biases, k_biases,
+    v_biases: (image, text) (H, Dh) projection biases that the parts do not include yet, or None. v_joint: the joint
+    e4m3 v already made (:func:`..kernels.joint_v_gemm.joint_v_gemm`); ``v_parts`` and ``v_biases`` are then not
+    read. query_tokens: None, or a (T, 0) size carrier: only each sample's first T query rows are computed (cuDNN
+    gets q's first T rows and every key), for a caller that reads only those; the output then holds T rows per
+    sample.
     """
     image_tokens = q_parts[0].shape[1]
     q_img = q_parts[0]
-    kernels_run = (not emulate and q_img.dtype == torch.bfloat16
-                   and qk_norm_quant_problem(q_img.device, q_img.shape[-1]) is None)
-    fused = FUSED_QK_QUANT and kernels_run
-    q8, dq = _norm_rope_quantize(attn, q_parts, ("norm_q", "norm_added_q"), cos, sin, fused, q_biases)
-    k8, dk = _norm_rope_quantize(attn, k_parts, ("norm_k", "norm_added_k"), cos, sin, fused, k_biases)
+    q8, dq = _norm_rope_quantize(attn, q_parts, ("norm_q", "norm_added_q"), cos, sin, kernels.qk_quant, q_biases)
+    k8, dk = _norm_rope_quantize(attn, k_parts, ("norm_k", "norm_added_k"), cos, sin, kernels.qk_quant, k_biases)
     scale_o = row_scales = None
     if v_joint is not None:  # the v GEMM wrote the joint e4m3 v and its scalars
         v8, dv, scale_o, row_scales = v_joint.v8, v_joint.descale, v_joint.scale_o, (v_joint.image_rows,
                                                                                     v_joint.text_rows)
-    elif FUSED_V_QUANT and kernels_run:  # the cast kernel also writes 1 / descale and the output rows' scales
+    elif kernels.v_quant:  # the cast kernel also writes 1 / descale and the output rows' scales
         v = joint_v_quantize_scales(*v_parts, *v_biases)
-        v8, dv = v.v8, v.descale
-        if V_KERNEL_SCALARS:
-            scale_o, row_scales = v.scale_o, (v.image_rows, v.text_rows)
+        v8, dv, scale_o, row_scales = v.v8, v.descale, v.scale_o, (v.image_rows, v.text_rows)
     else:
         v8, dv = reference_joint_v_quantize(*v_parts, *v_biases)
     q8, k8, v8 = q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2)

@@ -2,23 +2,22 @@
 
 The compiled fp8 forward launches about 2,000 kernels (60 blocks). Issued one by one from Python, the GPU
 waits on the host for part of each forward: 187.8 ms per forward against 185.2 ms for the same forward
-captured in one CUDA graph (H200, ``bench/cfg_batch_bench.py``, docs/benchmarks.md). With
-:func:`enable_cuda_graphs` (Compile Model's ``cuda_graphs``), ``fast_model_fn`` runs through
-:class:`ForwardGraphs`:
+captured in one CUDA graph (H200). With Compile Model's ``cuda_graphs``, :class:`.prepared.PreparedDit` holds a
+:class:`ForwardGraphs` and ``fast_model_fn`` runs through it:
 
 * a signature is everything the forward's host-side code branches on: each input tensor's shape, dtype
   and device, the valid text lengths (read from the mask on the host before anything is captured), size,
-  zero_cond_t, attention backend, text padding mode;
+  zero_cond_t, attention backend, text padding mode and the kernel plan;
 * a new signature: one eager forward on a side stream (it compiles, builds cuDNN plans and fills the
   RoPE and modulation caches), then one capture into the model's memory pool, then the replay: the first
   call of a signature costs about two forwards plus the capture's host time; at most ``max_graphs``
   signatures are kept (least recently used dropped);
 * each call copies its inputs into the graph's input buffers, replays, and returns a copy of the output;
-* the graphs read weights at fixed addresses, so every call compares the addresses of all parameters
+* the graphs read weights at fixed addresses, so every call compares the addresses of the model's parameters
   and buffers with those at capture (about 0.1 ms for 2,000 tensors) and drops every graph when one moved
-  (a LoRA swapped in, the model offloaded and back). Tensors replaced in a module are caught by
-  module/parameter/buffer registration hooks. In-place changes (a LoRA fused into the same tensors) keep
-  the graphs valid: they read the new values.
+  (the model moved to another device and back). Tensors replaced in a module are not seen by that check:
+  whoever replaces them calls :meth:`.prepared.PreparedDit.invalidate` (the runtime does when it rebuilds a model).
+  In-place changes (a LoRA fused into the same tensors) keep the graphs valid: they read the new values.
 
 Memory: the graphs share one private pool per model that keeps one forward's intermediate tensors
 reserved between calls (what the forward's peak already holds).
@@ -29,7 +28,6 @@ A capture that fails raises RuntimeError with the cause; nothing falls back sile
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,56 +35,36 @@ from typing import Any
 
 import torch
 
-__all__ = ["ForwardGraphs", "cuda_graphs_enabled", "disable_cuda_graphs", "enable_cuda_graphs", "forward_graphs"]
+from ...fp8.capability import Capability
+
+__all__ = ["ForwardGraphs", "allocator_capability", "cuda_graphs_capability"]
 
 logger = logging.getLogger(__name__)
 
-_REGISTRY: weakref.WeakKeyDictionary[torch.nn.Module, ForwardGraphs] = weakref.WeakKeyDictionary()
-_GENERATION = [0]
-"""Bumped whenever any module registers a parameter, buffer or submodule (hooks installed on first use)."""
-_TOUCHED: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
-"""The generation at which each module last registered a parameter, buffer or submodule."""
-_HOOKS: list = []
+
+def allocator_capability() -> Capability:
+    """Whether PyTorch's CUDA allocator in this process allows CUDA graphs (the native allocator does).
+
+    Under ``cudaMallocAsync`` (``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``, which ComfyUI sets by default
+    where the driver supports it), memory allocated during a capture is a graph memory node with no device address
+    until the graph is launched, so Triton kernels (Inductor's and the pack's) refuse the capture's pointers, and a
+    failed capture leaves allocations the allocator cannot free later (the process aborts). Graphs need PyTorch's
+    native allocator: start ComfyUI with ``--disable-cuda-malloc``.
+    """
+    backend = torch.cuda.get_allocator_backend()
+    if backend == "native":
+        return Capability.yes("PyTorch's native CUDA allocator")
+    return Capability.no(f"PyTorch's CUDA allocator here is {backend} (ComfyUI's default where the driver supports "
+                         "it), under which Triton kernels cannot be captured; start ComfyUI with --disable-cuda-malloc "
+                         "to use CUDA graphs (measured through the server: about 1% faster per step)")
 
 
-def _bump(module: torch.nn.Module, *_args) -> None:
-    _GENERATION[0] += 1
-    _TOUCHED[module] = _GENERATION[0]
-
-
-def _install_hooks() -> None:
-    if not _HOOKS:
-        module = torch.nn.modules.module
-        _HOOKS.extend([module.register_module_parameter_registration_hook(_bump),
-                       module.register_module_buffer_registration_hook(_bump),
-                       module.register_module_module_registration_hook(_bump)])  # fmt: skip
-
-
-def enable_cuda_graphs(dit: torch.nn.Module, max_graphs: int = 4) -> ForwardGraphs:
-    """Run ``dit``'s fast forwards on CUDA through whole-forward CUDA graphs (kept: see the module docstring)."""
-    if max_graphs < 1:
-        raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
-    _install_hooks()
-    graphs = _REGISTRY.get(dit)
-    if graphs is None or graphs.max_graphs != max_graphs:
-        graphs = _REGISTRY[dit] = ForwardGraphs(max_graphs)
-        logger.info("fast forward: whole-forward CUDA graphs on (at most %d input signatures)", max_graphs)
-    return graphs
-
-
-def disable_cuda_graphs(dit: torch.nn.Module) -> None:
-    """Run ``dit``'s fast forwards kernel by kernel again (its graphs and their memory are released)."""
-    graphs = _REGISTRY.pop(dit, None)
-    if graphs is not None:
-        graphs.clear()
-
-
-def forward_graphs(dit: torch.nn.Module) -> ForwardGraphs | None:
-    return _REGISTRY.get(dit)
-
-
-def cuda_graphs_enabled(dit: torch.nn.Module) -> bool:
-    return dit in _REGISTRY
+def cuda_graphs_capability(dit: torch.nn.Module) -> Capability:
+    """Whether whole-forward CUDA graphs can run for ``dit`` here: on CUDA, under :func:`allocator_capability`."""
+    device = next((t.device for t in dit.parameters()), torch.device("cpu"))
+    if device.type != "cuda":
+        return Capability.no(f"the model is on {device.type}, CUDA graphs need a CUDA device")
+    return allocator_capability()
 
 
 @dataclass
@@ -122,14 +100,17 @@ def _copy_into(static: Any, value: Any) -> None:
 
 
 class ForwardGraphs:
-    """One model's captured forwards, by signature. ``run`` is called by ``fast_model_fn``."""
+    """One model's captured forwards, by signature. ``run`` is called by ``fast_model_fn``; ``dit`` is the model
+    whose tensors the graphs read (its parameters and buffers are collected here, their addresses checked per call).
+    """
 
-    def __init__(self, max_graphs: int = 4):
+    def __init__(self, dit: torch.nn.Module, max_graphs: int = 4):
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[Any, _Captured] = OrderedDict()
         self._pool = None
-        self._tensors: list[torch.Tensor] = []
-        self._generation = -1
+        self._tensors: list[torch.Tensor] = [*dit.parameters(), *dit.buffers()]
         self._addresses: tuple[int, ...] | None = None
         self.captures = 0
         self.replays = 0
@@ -145,20 +126,13 @@ class ForwardGraphs:
         self._pool = None
 
     def _weights_moved(self, dit: torch.nn.Module) -> bool:
-        """Whether ``dit`` changed since the last look: one of its modules registered a parameter, buffer or
-        submodule (a replaced layer, even one holding the same tensors), or a tensor's storage moved.
-
-        The registration hooks are process-wide: a module built elsewhere (a text encoder, a VAE) bumps the
-        generation too, and must not drop this model's graphs. So a bump makes this look at ``dit``'s own
-        modules, and collect and compare its tensors again."""
-        if self._generation != _GENERATION[0]:
-            since = self._generation
-            self._tensors = [*dit.parameters(), *dit.buffers()]
-            self._generation = _GENERATION[0]
-            if any(_TOUCHED.get(module, -1) > since for module in dit.modules()):
-                self._addresses = None
+        """Whether one of the model's tensors moved to another storage since the last look (a move to another
+        device and back). Then the tensors are collected again from ``dit``."""
         addresses = tuple(map(torch.Tensor.data_ptr, self._tensors))
         moved = addresses != self._addresses
+        if moved and self._addresses is not None:
+            self._tensors = [*dit.parameters(), *dit.buffers()]
+            addresses = tuple(map(torch.Tensor.data_ptr, self._tensors))
         self._addresses = addresses
         return moved
 

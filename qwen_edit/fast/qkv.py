@@ -33,13 +33,9 @@ STREAM_LAYERS = {"image": _STREAMS[0], "text": _STREAMS[1]}
 """Stream -> (its three projection names, the fused layer's name)."""
 
 FP8_FUSED_STREAMS = ("text",)
-"""Streams whose row-wise fp8 Q/K/V the pack's fp8 variants run as one GEMM. The text stream (M = 300 tokens at
-batch 1): three 3072 -> 3072 GEMMs of about 11.5 us each become one 3072 -> 9216 GEMM (docs/experiments/
-forward.md, twelfth session). The image stream keeps three: its fused GEMM was not faster (first session)."""
-
-USE_FUSED: tuple[str, ...] = ("image", "text")
-"""Streams whose fused Q/K/V layer the fast forward runs when a block has one (a switch for A/B benches that
-keep the three projections beside it, :func:`fuse_fp8_qkv` ``keep_separate``). Dynamo guards on it."""
+"""Streams whose row-wise fp8 Q/K/V the pack's fp8 builds run as one GEMM (a fact of the build, in the conversion
+report). The text stream (M = 300 tokens at batch 1): three 3072 -> 3072 GEMMs of about 11.5 us each become one
+3072 -> 9216 GEMM. The image stream keeps three: its fused GEMM was not faster."""
 
 FUSED_QKV_PATTERN = r"transformer_blocks\.\d+\.attn\.(?:to_qkv|add_qkv_proj)"
 """Qualified names of the fused layers, in ``fp8.presets`` pattern syntax (for a preset's ``compute``)."""
@@ -106,7 +102,7 @@ def _fusable_fp8(layers: tuple[nn.Module | None, ...]) -> bool:
 
 
 @torch.no_grad()
-def fuse_fp8_qkv(dit: nn.Module, streams: tuple[str, ...] = FP8_FUSED_STREAMS, keep_separate: bool = False) -> int:
+def fuse_fp8_qkv(dit: nn.Module, streams: tuple[str, ...] = FP8_FUSED_STREAMS) -> int:
     """After ``fp8.quantize_linears``: one row-wise fp8 Q/K/V layer per block for each of ``streams``.
 
     Args:
@@ -114,8 +110,6 @@ def fuse_fp8_qkv(dit: nn.Module, streams: tuple[str, ...] = FP8_FUSED_STREAMS, k
             [N, K] e4m3, scale [N, 1] float32, bias [N] bf16); blocks whose three differ in type, shape or
             settings (Transformer Engine, weight-only, tensor-wise) are left as they are.
         streams: "image" and / or "text" (anything else: ValueError naming the allowed values).
-        keep_separate: keep the three projections beside the fused layer (A/B benches, :data:`USE_FUSED`);
-            the fp8 weights are then held twice.
 
     Returns:
         The number of fused layers created. The fused layer is ``ScaledMMLinear`` [3N, K] (rows q, k, v) with
@@ -141,9 +135,8 @@ def fuse_fp8_qkv(dit: nn.Module, streams: tuple[str, ...] = FP8_FUSED_STREAMS, k
                 torch.cat([layer.weight for layer in layers]),
                 torch.cat([layer.weight_scale.reshape(-1, 1) for layer in layers]), bias, "rowwise", first.emulate,
                 f"transformer_blocks.{index}.attn.{fused_name}", first.fast_accum, first.gemm_kernel)
-            if not keep_separate:
-                for name in names:
-                    delattr(attn, name)
+            for name in names:
+                delattr(attn, name)
             setattr(attn, fused_name, fused)
             created += 1
     if created:

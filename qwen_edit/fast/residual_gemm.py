@@ -14,7 +14,7 @@ float32 with one rounding to bf16, where the unfused path rounds the GEMM output
 :func:`gated_residual_gemm` returns None where it does not apply, and the caller runs the unfused path: a layer
 that is not a row-wise fp8 ``ScaledMMLinear`` with ``gemm_kernel="cublaslt"``, a GEMM the small-M kernel takes
 (the text stream at batch 1), a gate that varies per sample or per token (Qwen-Image-Edit-2511's zero_cond_t,
-or two timesteps in one batch), or a site switched off in :data:`SITES`.
+or two timesteps in one batch), or a site the kernel plan leaves out (``BlockKernels.residual_epilogue``).
 """
 
 from __future__ import annotations
@@ -24,31 +24,40 @@ import torch
 from ...fp8.cublaslt_gemm import cublaslt_rowwise_mm_residual
 from ...fp8.linear import ScaledMMLinear
 from ...fp8.small_m_gemm import small_m_config
+from .block_kernels import BlockKernels
 
-__all__ = ["SITES", "gated_residual_gemm"]
+__all__ = ["epilogue_layer", "gated_residual_gemm", "one_gate_row"]
 
-SITES = ("attention", "mlp")
-"""Residual updates that go through the GEMM epilogue: after the attention's output projection (``attention``)
-and after the MLP (``mlp``). A switch for A/B benches; Dynamo guards on it."""
+
+def epilogue_layer(layer: torch.nn.Module) -> bool:
+    """True for a layer whose GEMM can take the residual update: a row-wise fp8 ``ScaledMMLinear`` (not emulated)
+    on the pack's cuBLASLt call (``gemm_kernel="cublaslt"``, which implies row-wise scales)."""
+    return isinstance(layer, ScaledMMLinear) and not layer.emulate and layer.gemm_kernel == "cublaslt"
+
+
+def one_gate_row(timestep_rows: int, per_token: bool) -> bool:
+    """Whether a stream's gate is one row for every token: one timestep row, and no per-token gates (the image
+    stream under zero_cond_t)."""
+    return timestep_rows == 1 and not per_token
 
 
 def gated_residual_gemm(layer: torch.nn.Module, x8: torch.Tensor, x_scale: torch.Tensor, gate: torch.Tensor,
-                        residual: torch.Tensor, site: str) -> torch.Tensor | None:
+                        residual: torch.Tensor, site: str, kernels: BlockKernels) -> torch.Tensor | None:
     """``residual + gate * layer(x)`` from the layer's fp8 GEMM epilogue, or None where that does not apply.
 
     x8: (M, K) float8_e4m3fn and x_scale (M, 1) float32, the layer's input already quantized row-wise;
-    gate: (1, 1, N) or (N,) bf16, one row for every token; residual: (B, S, N) bf16 with B * S = M.
-    Returns (B, S, N) bf16.
+    gate: (1, 1, N) or (N,) bf16, one row for every token; residual: (B, S, N) bf16 with B * S = M; site:
+    "attention" or "mlp", taken where ``kernels.residual_epilogue`` names it. Returns (B, S, N) bf16.
     """
-    if site not in SITES or not isinstance(layer, ScaledMMLinear) or layer.emulate or layer.gemm_kernel != "cublaslt":
-        return None  # (gemm_kernel "cublaslt" implies row-wise scales)
+    if site not in kernels.residual_epilogue or not epilogue_layer(layer):
+        return None
     n = layer.out_features
     if gate.numel() != n or residual.dtype != torch.bfloat16 or not residual.is_contiguous():
         return None
     if residual.numel() != x8.shape[0] * n:
         return None
-    if small_m_config(x8, layer.weight, x_scale, torch.bfloat16, layer.fast_accum) is not None:
-        return None
+    if kernels.small_m_gemm and small_m_config(x8, layer.weight, x_scale, torch.bfloat16, layer.fast_accum) is not None:
+        return None  # the small-M kernel runs this GEMM
     gate_row = gate.reshape(n).float()
     col_scale = layer.weight_scale.reshape(n) * gate_row
     bias = None if layer.bias is None else (layer.bias.float() * gate_row).to(torch.bfloat16)

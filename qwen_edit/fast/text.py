@@ -5,21 +5,15 @@ tokens followed by padding, and ``prompt_emb_mask[i] == [1] * lens[i] + [0] * (L
 Padded text tokens are never attended to (they are dropped from the keys) and their outputs are
 discarded; the text stream itself is never returned.
 
-Reading the lengths off a CUDA mask is a host sync. :func:`text_lengths` does it once per mask
-tensor (remembered by identity), and :func:`batch_prompts` returns them so a sampler can pass
-``txt_seq_lens`` and never sync.
+Reading the lengths off a CUDA mask is a host sync. :func:`batch_prompts` returns them so a sampler can pass
+``txt_seq_lens`` and never sync; :meth:`.prepared.PreparedDit.text_lengths` reads them once per mask tensor.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import torch
-
-_KNOWN: OrderedDict[int, tuple[weakref.ref, tuple[int, ...]]] = OrderedDict()
-_KNOWN_ENTRIES = 32
 
 
 def _lengths_from_mask(mask: torch.Tensor) -> tuple[int, ...]:
@@ -37,26 +31,11 @@ def _lengths_from_mask(mask: torch.Tensor) -> tuple[int, ...]:
 def text_lengths(mask: torch.Tensor) -> tuple[int, ...]:
     """Valid text tokens per sample of a right-padded ``prompt_emb_mask`` (B, L) of 0/1 (any int/bool dtype).
 
-    One device-to-host copy per mask tensor: the answer is remembered for as long as the tensor
-    lives (a mask changed in place after its first use is not re-read; pass ``txt_seq_lens`` to
-    :func:`~..fast_forward.fast_model_fn` to be explicit). Raises ValueError for a mask that is not
-    right-padded.
+    One device-to-host copy (a host sync for a CUDA mask). Raises ValueError for a mask that is not right-padded.
     """
     if mask.dim() != 2:
         raise ValueError(f"prompt_emb_mask must be (B, L), got shape {tuple(mask.shape)}")
-    entry = _KNOWN.get(id(mask))
-    if entry is not None and entry[0]() is mask:
-        _KNOWN.move_to_end(id(mask))
-        return entry[1]
-    lens = _lengths_from_mask(mask)
-    _remember(mask, lens)
-    return lens
-
-
-def _remember(mask: torch.Tensor, lens: tuple[int, ...]) -> None:
-    _KNOWN[id(mask)] = (weakref.ref(mask), lens)
-    while len(_KNOWN) > _KNOWN_ENTRIES:
-        _KNOWN.popitem(last=False)
+    return _lengths_from_mask(mask)
 
 
 def batch_prompts(conditions: Sequence[Mapping[str, torch.Tensor]]) -> dict:
@@ -88,5 +67,4 @@ def batch_prompts(conditions: Sequence[Mapping[str, torch.Tensor]]) -> dict:
     emb = torch.cat([torch.nn.functional.pad(e, (0, 0, 0, longest - e.shape[1])) for e in embs], dim=0)
     positions = torch.arange(longest, device=emb.device)
     mask = (positions[None, :] < torch.tensor(lens, device=emb.device)[:, None]).long()
-    _remember(mask, tuple(lens))
     return {"prompt_emb": emb, "prompt_emb_mask": mask, "txt_seq_lens": tuple(lens)}

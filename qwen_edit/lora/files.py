@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..checkpoints.integrity import FiniteCheck
 from .errors import LoraFileError
 
 __all__ = ["PICKLE_SUFFIXES", "load_safetensors", "read_header"]
@@ -114,22 +115,35 @@ def _check_entry(path: Path, name: str, entry: object, data_size: int) -> None:
 
 
 def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Mapping[str, str]]:
-    """Load every tensor of a .safetensors LoRA file onto the CPU, in its stored dtype.
+    """Load every tensor of a .safetensors LoRA file onto the CPU, in its stored dtype, checked finite.
 
     Returns ``(tensors, metadata)``. The header is validated first (see
     :func:`read_header`); errors from safetensors itself are re-raised as
-    LoraFileError naming the file.
+    LoraFileError naming the file. Every floating tensor is checked for NaN and
+    Inf as it is read (:class:`~..checkpoints.integrity.FiniteCheck`, one pass
+    over the file's data): a LoRA holding them would turn every image black.
     """
     path = Path(path)
     entries, metadata = read_header(path)
     tensors: dict[str, torch.Tensor] = {}
+    check = FiniteCheck()
     try:
         with safe_open(str(path), framework="pt", device="cpu") as fh:
             for key in fh.keys():  # noqa: SIM118 - safe_open handles are not mappings
                 tensors[key] = fh.get_tensor(key)
+                check.add(key, tensors[key])
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise LoraFileError(f"LoRA file {path}: safetensors could not read it: {exc}") from exc
     logger.debug("read %d tensors from %s", len(tensors), path)
     if len(tensors) != len(entries):
         raise LoraFileError(f"LoRA file {path}: header lists {len(entries)} tensors, {len(tensors)} were read.")
+    bad = check.nonfinite()
+    if bad:
+        tensors.clear()
+        shown = ", ".join(f"'{key}'" for key in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise LoraFileError(
+            f"LoRA file {path}: {len(bad)} of its tensors hold NaN or Inf values ({shown}); fused, they would "
+            "turn every image black. The file is damaged or was trained into a divergence: download it again, "
+            "or use another LoRA."
+        )
     return tensors, metadata

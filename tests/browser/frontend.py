@@ -1,7 +1,8 @@
 """Drive ComfyUI's own frontend (served by the real test server) in headless Chromium.
 
 Helpers for tests/browser: launching the system Chromium, one page of the
-frontend with its console recorded, opening a shipped workflow through the
+frontend (1.32.9 as ComfyUI 0.3.75 ships it, 1.49.6 as 0.33.0 does) with its
+console recorded, opening a shipped workflow through the
 Templates dialog (the way a user does), reading the loaded graph back, queueing
 from the Run button, and keeping a screenshot and the console log under
 ``test-artifacts/browser/`` when a check fails.
@@ -64,37 +65,51 @@ DIALOG_KEYS = {
 TWIN_ONLY_INPUTS = {("LoadImage", "upload"): "image"}
 UI_ONLY_INPUTS = {("PreviewAny", "preview")}
 
+# Where the two frontends differ, a selector names both: the first part is 1.32.9's, the second 1.49.6's.
+# The Templates dialog: 1.32.9's PrimeVue dialog class; 1.49.6's dialog role around the template grid.
+TEMPLATES_DIALOG = ('.workflow-template-selector-dialog, '
+                    '[role="dialog"]:has([data-testid="template-workflows-content"])')
+# The Run button: inside 1.32.9's split button "queue-button"; 1.49.6's "queue-button" is the button itself.
+RUN_BUTTON = '[data-testid="queue-button"] button[aria-label="Run"], button[data-testid="queue-button"]'
+
 READY_JS = """() => !!(window.app && window.app.vueAppReady && window.app.graph && window.LiteGraph
     && window.app.graph.nodes.length > 0 && document.querySelector('[data-testid="queue-button"]'))"""
 
 GRAPH_JS = """() => {
+  // ids as numbers: 1.49.6 keeps a loaded workflow's node ids as strings
   const graph = window.app.graph;
   const registered = window.LiteGraph.registered_node_types;
   const links = graph.links instanceof Map ? [...graph.links.values()] : Object.values(graph.links || {});
   return {
     nodes: graph.nodes.map(n => ({
-      id: n.id, type: n.type, registered: Object.prototype.hasOwnProperty.call(registered, n.type),
+      id: Number(n.id), type: n.type, registered: Object.prototype.hasOwnProperty.call(registered, n.type),
       has_errors: !!n.has_errors,
-      inputs: (n.inputs || []).map(i => ({name: i.name, type: String(i.type), link: i.link ?? null})),
-      outputs: (n.outputs || []).map(o => ({name: o.name, type: String(o.type), links: o.links || []})),
+      inputs: (n.inputs || []).map(i => ({name: i.name, type: String(i.type),
+                                          link: i.link == null ? null : Number(i.link)})),
+      outputs: (n.outputs || []).map(o => ({name: o.name, type: String(o.type), links: (o.links || []).map(Number)})),
     })),
-    links: links.filter(Boolean).map(l => ({id: l.id, origin_id: l.origin_id, origin_slot: l.origin_slot,
-      target_id: l.target_id, target_slot: l.target_slot, type: String(l.type)})),
+    links: links.filter(Boolean).map(l => ({id: Number(l.id), origin_id: Number(l.origin_id),
+      origin_slot: l.origin_slot, target_id: Number(l.target_id), target_slot: l.target_slot, type: String(l.type)})),
   };
 }"""
 
-OVERLAYS_JS = """() => {
+# 1.49.6's status cards that report success, not a problem (compared whole).
+BENIGN_NOTIFICATIONS = ["Job completed"]
+
+OVERLAYS_JS = """benign => {
   const visible = e => !!(e.offsetWidth || e.offsetHeight || e.getClientRects().length);
   return {
     dialogs: [...document.querySelectorAll('.p-dialog')].filter(visible).map(d => ({
       ids: [...d.querySelectorAll('[id]')].map(e => e.id).filter(id => id.startsWith('global-')),
       text: d.innerText.slice(0, 600)})),
-    toasts: [...document.querySelectorAll('.p-toast-message')].filter(visible).map(t => t.innerText.slice(0, 600)),
+    // PrimeVue toasts (both frontends); 1.49.6 also raises notifications as role="status" cards
+    toasts: [...document.querySelectorAll('.p-toast-message, div[role="status"]')].filter(visible)
+      .map(t => t.innerText.trim().slice(0, 600)).filter(text => text.length > 0 && !benign.includes(text)),
   };
 }"""
 
 IMAGE_SHOWN_JS = """([nodeId, filename]) => {
-  const node = window.app.graph.getNodeById(nodeId);
+  const node = window.app.graph.getNodeById(nodeId) ?? window.app.graph.getNodeById(String(nodeId));
   return (node?.imgs || []).some(img => {
     const url = new URL(img.src, location.href);
     return url.pathname.endsWith('/view') && url.searchParams.get('filename') === filename
@@ -103,7 +118,7 @@ IMAGE_SHOWN_JS = """([nodeId, filename]) => {
 }"""
 
 TEXT_SHOWN_JS = """([nodeId, needle]) => {
-  const node = window.app.graph.getNodeById(nodeId);
+  const node = window.app.graph.getNodeById(nodeId) ?? window.app.graph.getNodeById(String(nodeId));
   const widget = (node?.widgets || []).find(w => w.name === 'preview');
   if (!widget) return false;
   const shown = widget.element ? (widget.element.innerText || widget.element.value || '') : '';
@@ -111,7 +126,7 @@ TEXT_SHOWN_JS = """([nodeId, needle]) => {
 }"""
 
 NODE_STATE_JS = """nodeId => {
-  const node = window.app.graph.getNodeById(nodeId);
+  const node = window.app.graph.getNodeById(nodeId) ?? window.app.graph.getNodeById(String(nodeId));
   if (!node) return {node: null};
   return {
     imgs: (node.imgs || []).map(img => ({src: img.src, complete: img.complete, width: img.naturalWidth})),
@@ -188,6 +203,10 @@ class Frontend:
         self.page.wait_for_function(READY_JS, timeout=120_000, polling=250)
         self.page.wait_for_load_state("networkidle")
 
+    def version(self) -> str:
+        """The frontend's version (``window.__COMFYUI_FRONTEND_VERSION__``), e.g. ``1.49.6``."""
+        return str(self.page.evaluate("() => window.__COMFYUI_FRONTEND_VERSION__"))
+
     def custom_templates(self) -> dict[str, list[str]]:
         """The frontend's source of custom-node templates (what its Templates dialog lists per pack)."""
         return self.page.evaluate("() => fetch('/api/workflow_templates').then(r => r.json())")
@@ -198,7 +217,7 @@ class Frontend:
         Returns the workflow JSON the frontend fetched from ``/api/workflow_templates/<pack>/<name>.json``.
         """
         self.page.get_by_role("button", name="Templates", exact=True).click()
-        dialog = self.page.locator(".workflow-template-selector-dialog")
+        dialog = self.page.locator(TEMPLATES_DIALOG).first
         dialog.wait_for()
         dialog.locator("nav").get_by_text(pack, exact=True).click()
         card = dialog.get_by_test_id(f"template-workflow-{name}")
@@ -210,7 +229,8 @@ class Frontend:
         workflow = response.json()
         dialog.wait_for(state="detached")
         ids = sorted(node["id"] for node in workflow["nodes"])
-        self.page.wait_for_function("ids => JSON.stringify(window.app.graph.nodes.map(n => n.id).sort((a, b) => a - b))"
+        self.page.wait_for_function("ids => JSON.stringify(window.app.graph.nodes.map(n => Number(n.id))"
+                                    ".sort((a, b) => a - b))"
                                     " === JSON.stringify(ids)", arg=ids, timeout=60_000, polling=250)
         # The missing-models check and the schema check answer asynchronously (model lists are fetched).
         self.page.wait_for_load_state("networkidle")
@@ -230,11 +250,29 @@ class Frontend:
 
     def overlays(self) -> dict[str, list]:
         """Visible dialogs (with their global-* keys) and toasts."""
-        return self.page.evaluate(OVERLAYS_JS)
+        return self.page.evaluate(OVERLAYS_JS, BENIGN_NOTIFICATIONS)
 
     def api_prompt(self) -> dict[str, Any]:
         """The frontend's own UI -> API conversion of the loaded graph (what Run sends as ``prompt``)."""
         return self.page.evaluate("async () => (await window.app.graphToPrompt()).output")
+
+    def set_widgets(self, node_types: tuple[str, ...], name: str, value: Any) -> int:
+        """Set widget ``name`` to ``value`` on every node of ``node_types`` (as picking it in the node's combo
+        does); returns how many widgets were set."""
+        return int(self.page.evaluate(
+            """([types, name, value]) => {
+                let count = 0;
+                for (const node of window.app.graph._nodes) {
+                    if (!types.includes(node.type)) continue;
+                    const widget = (node.widgets || []).find(w => w.name === name);
+                    if (!widget) continue;
+                    widget.value = value;
+                    if (widget.callback) widget.callback(value, window.app.canvas, node);
+                    count += 1;
+                }
+                window.app.graph.setDirtyCanvas(true, true);
+                return count;
+            }""", [list(node_types), name, value]))
 
     def fit_view(self) -> None:
         """Zoom the canvas to the whole graph (the canvas draws, and so loads the images of, visible nodes only)."""
@@ -253,7 +291,7 @@ class Frontend:
         Fallback, only if the Run button cannot be found: ``app.queuePrompt(0)`` (what the button calls),
         with a warning, so that a frontend whose action bar moved still runs the rest of the checks.
         """
-        button = self.page.locator('[data-testid="queue-button"] button[aria-label="Run"]')
+        button = self.page.locator(RUN_BUTTON)
 
         def is_post(r) -> bool:
             return (r.request.method == "POST" and r.url.startswith(self.server_url)
@@ -264,7 +302,7 @@ class Frontend:
                 button.click()
                 how = "Run button"
             else:
-                warnings.warn("Run button not found ([data-testid=queue-button] button[aria-label=Run]): "
+                warnings.warn(f"Run button not found ({RUN_BUTTON}): "
                               "queued with app.queuePrompt(0) instead", stacklevel=2)
                 self.page.evaluate("() => window.app.queuePrompt(0)")
                 how = "app.queuePrompt(0) (Run button not found)"

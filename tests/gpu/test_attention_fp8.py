@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import astuple
 
 import pytest
 import torch
-from qwen_edit_hopper.fp8.attention import attention, check_backend
+from qwen_edit_hopper.fp8.attention import attention, attention_capability
 from qwen_edit_hopper.fp8.attention import triton_fp8 as tf
 from qwen_edit_hopper.fp8.attention.reference import reference_quantized_attention
 from qwen_edit_hopper.fp8.quant import relative_error
@@ -46,7 +47,7 @@ def mirror_bound(*formats: str) -> float:
 
 @pytest.fixture(autouse=True)
 def _hopper():
-    ok, reason = check_backend("triton_fp8", "cuda")
+    ok, reason = astuple(attention_capability("triton_fp8", "cuda"))
     if not ok:
         pytest.skip(reason)
 
@@ -158,9 +159,9 @@ def test_rejects_what_it_cannot_run():
         attention(q, q, q, "triton_fp8")
 
 
-@pytest.mark.parametrize("name", ["triton_fp8", "gluon_int8"])
+@pytest.mark.parametrize("name", ["triton_fp8"])
 def test_torch_compile_traces_around_the_custom_op(name):
-    ok, reason = check_backend(name, "cuda")
+    ok, reason = astuple(attention_capability(name, "cuda"))
     if not ok:
         pytest.skip(reason)
     q, k, v = _inputs(1, 1000, seed=11)
@@ -175,7 +176,7 @@ def test_torch_compile_traces_around_the_custom_op(name):
 
 @pytest.mark.parametrize("name", ["sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn"])
 def test_bf16_backends_against_float64(name):
-    ok, reason = check_backend(name, "cuda")
+    ok, reason = astuple(attention_capability(name, "cuda"))
     if not ok:
         pytest.skip(reason)
     q, k, v = _inputs(1, 2304, seed=5)
@@ -187,8 +188,8 @@ def test_timing_sanity():
     """Prints ms for the default 8-bit path and cuDNN at S=8492 (no speed assertion: bench/attention_bench.py)."""
     q, k, v = _inputs(1, 8492, seed=1)
     results = {}
-    for name in ("sdpa_cudnn", "triton_fp8", "gluon_int8", "cudnn_fp8"):
-        if not check_backend(name, "cuda")[0]:
+    for name in ("sdpa_cudnn", "triton_fp8", "cudnn_fp8"):
+        if not attention_capability(name, "cuda").ok:
             continue
         for _ in range(3):
             attention(q, k, v, name)
@@ -207,56 +208,10 @@ def test_timing_sanity():
     assert all(ms > 0 for ms in results.values())
 
 
-# --------------------------------------------------------------------------------------------------
-# The Gluon kernel (fp8/attention/gluon_int8.py): same quantization as triton_fp8 int8/bf16
-# --------------------------------------------------------------------------------------------------
-
-GLUON_CONFIGS = [
-    "default",
-    {"num_warps": 4, "stages": 2, "block_n": 128},
-    {"num_warps": 8, "stages": 3, "block_n": 128},
-    {"num_warps": 8, "stages": 4, "block_n": 64},
-]
-
-
-def _gluon_cfg(spec):
-    from qwen_edit_hopper.fp8.attention import gluon_int8 as gi
-
-    return gi.DEFAULT_GLUON_CONFIG if spec == "default" else gi.GluonAttentionConfig(**spec)
-
-
 def _bshd(t):
     """(B, H, S, D) values in (B, S, H, D) memory, as the DiT's transposes produce them."""
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
-
-@pytest.mark.parametrize("spec", GLUON_CONFIGS, ids=str)
-@pytest.mark.parametrize(("b", "s", "layout"), [(1, 100, "bhsd"), (1, 8492, "bhsd"), (2, 300, "bshd"),
-                                                (2, 2304, "bshd")])  # fmt: skip
-def test_gluon_kernel_matches_triton_fp8_and_float64(spec, b, s, layout):
-    ok, reason = check_backend("gluon_int8", "cuda", head_dim=D, dtype=torch.bfloat16)
-    if not ok:
-        pytest.skip(reason)
-    q, k, v = _inputs(b, s, seed=s + b)
-    if layout == "bshd":
-        q, k, v = _bshd(q), _bshd(k), _bshd(v)
-    cfg = _gluon_cfg(spec)
-    out = attention(q, k, v, "gluon_int8", config=cfg)
-    same_quant = attention(q, k, v, "triton_fp8", config=_cfg("int8", "bf16"))
-    # Same quantized operands: only fp32 summation order and bf16 output rounding differ (0.96-1.48e-3 on H200).
-    diff = relative_error(out, same_quant)
-    assert diff < 3e-3, f"{cfg.label}: {diff:.2e} from triton_fp8"
-    err = relative_error(out, _exact(q, k, v))
-    assert err < BOUNDS[("int8", "bf16")], f"{cfg.label}: {err:.2e}"
-
-
-def test_gluon_kernel_refuses_head_dim_64():
-    ok, reason = check_backend("gluon_int8", "cuda")
-    if not ok:
-        pytest.skip(reason)
-    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(Exception, match="head dim 128"):
-        attention(q, q, q, "gluon_int8")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,7 +223,7 @@ CUDNN_FP8_BOUND = 8e-2
 
 
 def _need_cudnn_fp8():
-    ok, reason = check_backend("cudnn_fp8", "cuda", head_dim=D, dtype=torch.bfloat16)
+    ok, reason = astuple(attention_capability("cudnn_fp8", "cuda", head_dim=D, dtype=torch.bfloat16))
     if not ok:
         pytest.skip(reason)
 
@@ -343,8 +298,12 @@ def test_cudnn_fp8_first_query_rows_against_every_key(b):
 
 @pytest.mark.parametrize(("b", "with_bias"), [(1, False), (2, True)])
 def test_fused_qk_norm_rope_quantize_matches_its_reference(b, with_bias):
-    """fp8/qk_norm_quant.py on the GPU (round-to-nearest casts) against the torch reference, DiT-like strides."""
-    from qwen_edit_hopper.fp8.qk_norm_quant import qk_norm_rope_quantize, reference_qk_norm_rope_quantize
+    """qwen_edit/kernels/qk_norm_rope_quant.py on the GPU (round-to-nearest casts) against the torch reference,
+    DiT-like strides."""
+    from qwen_edit_hopper.qwen_edit.kernels.qk_norm_rope_quant import (
+        qk_norm_rope_quantize,
+        reference_qk_norm_rope_quantize,
+    )
 
     g = torch.Generator(device="cuda").manual_seed(b)
     si, st = 1024, 77
@@ -363,7 +322,7 @@ def test_fused_qk_norm_rope_quantize_matches_its_reference(b, with_bias):
     # the bound from the weights inside the kernel: the same codes as with the block's bound, given, and the
     # descale torch computes from it (bound / 448 on CUDA: times float32(1 / 448))
     from qwen_edit_hopper.fp8.attention.cudnn_fp8 import rms_norm_bound
-    from qwen_edit_hopper.fp8.qk_norm_quant import qk_norm_rope_quantize_scaled
+    from qwen_edit_hopper.qwen_edit.kernels.qk_norm_rope_quant import qk_norm_rope_quantize_scaled
 
     w_bound = torch.maximum(rms_norm_bound(w_img, D), rms_norm_bound(w_txt, D))
     given = qk_norm_rope_quantize(*args[:8], w_bound, *biases)
@@ -374,8 +333,9 @@ def test_fused_qk_norm_rope_quantize_matches_its_reference(b, with_bias):
 
 @pytest.mark.parametrize(("b", "with_bias"), [(1, False), (2, True)])
 def test_fused_v_quantize_matches_its_reference(b, with_bias):
-    """fp8/v_quant.py on the GPU against the block's torch path, DiT-like strides (views into QKV outputs)."""
-    from qwen_edit_hopper.fp8.v_quant import joint_v_quantize, reference_joint_v_quantize
+    """qwen_edit/kernels/joint_v_quant.py on the GPU against the block's torch path, DiT-like strides (views into QKV
+    outputs)."""
+    from qwen_edit_hopper.qwen_edit.kernels.joint_v_quant import joint_v_quantize, reference_joint_v_quantize
 
     g = torch.Generator(device="cuda").manual_seed(b)
     si, st = 1024, 77

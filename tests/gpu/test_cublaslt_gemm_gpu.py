@@ -21,9 +21,9 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def _needs_cublaslt():
-    problem = cublaslt_gemm.cublaslt_problem()
-    if problem:
-        pytest.skip(problem)
+    capability = cublaslt_gemm.cublaslt_capability()
+    if not capability.ok:
+        pytest.skip(capability.reason)
 
 
 def _operands(m: int, k: int, n: int, seed: int = 0):

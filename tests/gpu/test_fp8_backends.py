@@ -297,6 +297,7 @@ def test_mlp_with_fused_kernel_is_as_accurate_as_the_plain_path_compiled():
 
     from diffsynth.models.qwen_image_dit import QwenFeedForward
     from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
+    from qwen_edit_hopper.qwen_edit.fast.block_kernels import BlockKernels
 
     torch.manual_seed(0)
     mlp = QwenFeedForward(3072, 3072).to(DEV, torch.bfloat16)
@@ -308,10 +309,11 @@ def test_mlp_with_fused_kernel_is_as_accurate_as_the_plain_path_compiled():
         reference = copy.deepcopy(mlp).float()(x.float())
     quantize_linears(mlp, Fp8Config(backend="scaled_mm_rowwise", fast_accum=True), layer_filter=lambda m, n: True)
     assert isinstance(mlp.net[2], ScaledMMLinear) and isinstance(mlp.net[0].proj, ScaledMMLinear)
-    assert fast_mlp.uses_fused_gelu_quant(mlp, x)
+    kernels = BlockKernels(gelu_quant=True, small_m_gemm=True)
+    assert fast_mlp.uses_fused_gelu_quant(mlp, kernels)
     torch._dynamo.reset()
     with torch.no_grad():
-        fused = torch.compile(fast_mlp.mlp_forward, fullgraph=True)(mlp, x)
+        fused = torch.compile(fast_mlp.mlp_forward, fullgraph=True)(mlp, x, kernels)
         plain = torch.compile(lambda m, t: m(t), fullgraph=True)(mlp, x)
     err_fused, err_plain = relative_error(fused, reference), relative_error(plain, reference)
     print(f"\nMLP vs fp32: fused {err_fused:.3e}, plain {err_plain:.3e}, between {relative_error(fused, plain):.3e}")
@@ -321,17 +323,15 @@ def test_mlp_with_fused_kernel_is_as_accurate_as_the_plain_path_compiled():
 
 @pytest.mark.parametrize("rows_per_program", [0, 1, 2])
 @pytest.mark.parametrize("mod_rows,with_selector", [(1, False), (2, False), (2, True)])
-def test_fused_modulate_quantize_kernel_matches_its_reference(mod_rows, with_selector, rows_per_program, monkeypatch):
-    from qwen_edit_hopper.fp8 import norm_quant
+def test_fused_modulate_quantize_kernel_matches_its_reference(mod_rows, with_selector, rows_per_program):
     from qwen_edit_hopper.fp8.norm_quant import modulate_quantize_rowwise, reference_modulate_quantize
-
-    monkeypatch.setattr(norm_quant, "DEFAULT_ROWS", rows_per_program)  # 0: the one-row kernel
     b, s, d = 2, 4096, 3072
     x = (torch.randn(b, s, d, device=DEV) * torch.logspace(-1, 1, s, device=DEV)[:, None] + 0.5).bfloat16()
     mod = torch.randn(mod_rows * (2 if with_selector else 1), 6 * d, device=DEV).bfloat16()
     selector = (torch.arange(s, device=DEV) < s // 2).reshape(1, s, 1) if with_selector else None
     for first in (0, 3):
-        x8, scale = modulate_quantize_rowwise(x, 1e-6, mod, 6, first, first + 1, selector)
+        x8, scale = modulate_quantize_rowwise(x, 1e-6, mod, 6, first, first + 1, selector,
+                                              rows_per_program=rows_per_program)  # 0: the one-row kernel
         r8, rs = reference_modulate_quantize(x, 1e-6, mod, 6, first, first + 1, selector)
         assert x8.dtype == FP8_DTYPE and x8.shape == (b * s, d) and scale.shape == (b * s, 1)
         torch.testing.assert_close(scale, rs, rtol=1e-2, atol=0)
@@ -340,18 +340,16 @@ def test_fused_modulate_quantize_kernel_matches_its_reference(mod_rows, with_sel
 
 @pytest.mark.parametrize("rows_per_program", [0, 1, 2])
 @pytest.mark.parametrize("with_selector", [False, True])
-def test_fused_residual_modulate_quantize_kernel_matches_its_reference(with_selector, rows_per_program, monkeypatch):
-    from qwen_edit_hopper.fp8 import norm_quant
+def test_fused_residual_modulate_quantize_kernel_matches_its_reference(with_selector, rows_per_program):
     from qwen_edit_hopper.fp8.norm_quant import reference_residual_modulate_quantize, residual_modulate_quantize_rowwise
-
-    monkeypatch.setattr(norm_quant, "DEFAULT_ROWS", rows_per_program)
     b, s, d = 2, 4095, 3072  # an odd token count: the multi-row kernel's last program has a missing row
     x = (torch.randn(b, s, d, device=DEV) * 4).bfloat16()
     y = torch.randn(b * s, d, device=DEV).bfloat16()
     bias = torch.randn(d, device=DEV).bfloat16()
     mod = torch.randn(2 if with_selector else 1, 6 * d, device=DEV).bfloat16()
     selector = (torch.arange(s, device=DEV) < s // 2).reshape(1, s, 1) if with_selector else None
-    new, x8, scale = residual_modulate_quantize_rowwise(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector)
+    new, x8, scale = residual_modulate_quantize_rowwise(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector,
+                                                        rows_per_program=rows_per_program)
     r_new, r8, rs = reference_residual_modulate_quantize(x, y, bias, 1e-6, mod, 6, 2, 3, 4, selector)
     assert new.shape == x.shape and new.dtype == torch.bfloat16
     assert (new != r_new).float().mean() < 1e-3  # fused multiply-add vs two roundings: rare last-bit flips
@@ -388,42 +386,21 @@ def test_small_m_kernel_matches_scaled_mm_and_the_layer_takes_it_compiled(k, n, 
     out = compiled(x)
     assert calls, "the compiled layer did not route M = 300 through the small-M kernel"
     assert relative_error(out, want + layer.bias) < 1e-3
-    monkeypatch.setattr(small_m_gemm, "ENABLED", False)
     calls.clear()
-    assert relative_error(compiled(x), want + layer.bias) < 1e-3  # Dynamo guards on the switch: recompiles
+    cublas = torch.compile(lambda t: layer.linear_quantized(*layer.quantize_input(t), torch.bfloat16, small_m=False),
+                           fullgraph=True)  # the fast forward's small_m_gemm option off
+    assert relative_error(cublas(x), want + layer.bias) < 1e-3
     assert not calls
-
-
-def test_split_k_down_projection_is_closer_to_the_exact_product():
-    """The text MLP down-projection (M = 300, 12288 -> 3072) split over K in two (``SPLIT_K_CONFIGS``): each split
-    accumulates half of K without promotion, so the split product is nearer the exact one than cuBLASLt's fast
-    accumulation over all of K (twelfth session: 2.4e-3 against 3.1e-3), and within a few 1e-3 of it."""
-    from qwen_edit_hopper.fp8 import small_m_gemm
-
-    dev = torch.device("cuda")
-    if torch.cuda.get_device_capability(dev) != (9, 0):
-        pytest.skip("the small-M configs are Hopper's (compute capability 9.0)")
-    g = torch.Generator(dev).manual_seed(0)
-    w8 = (torch.randn(3072, 12288, device=dev, generator=g) * 0.5).to(FP8_DTYPE)
-    ws = (torch.rand(3072, 1, device=dev, generator=g) + 0.5) / 64
-    x8 = torch.randn(300, 12288, device=dev, generator=g).to(FP8_DTYPE)
-    xs = (torch.rand(300, 1, device=dev, generator=g) + 0.5) / 16
-    exact = (x8.double() @ w8.double().t()) * xs.double() * ws.double().t()
-    fast = torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16, use_fast_accum=True)
-    split = small_m_gemm.fp8_gemm_small_m(x8, xs, w8, ws, small_m_gemm.SPLIT_K_CONFIGS[(12288, 3072)])
-    assert split.dtype == torch.bfloat16 and split.shape == (300, 3072)
-    assert relative_error(split, exact.float()) < relative_error(fast, exact.float())
-    assert relative_error(split, fast) < 5e-3
 
 
 @pytest.mark.parametrize("tokens", [300, 600])
 def test_fused_text_qkv_gemm_matches_the_three(tokens):
     """One 3072 -> 9216 row-wise GEMM (``fast.qkv.fuse_fp8_qkv``) against the three 3072 -> 3072 ones it replaces:
     at M = 300 the fused layer runs the small-M kernel, and each third equals, bit for bit, that kernel on the
-    part's weight with the same tiles (``OUTPUT_PROJECTION_CONFIG``; the 3072 -> 3072 layers themselves take
-    cuBLASLt since the fifteenth session); at M = 600 both run cuBLASLt."""
+    part's weight with the same tiles (the 3072 -> 3072 layers themselves take cuBLASLt); at M = 600 both run
+    cuBLASLt."""
     from qwen_edit_hopper.fp8 import small_m_gemm
-    from qwen_edit_hopper.qwen_edit.fast.block import _qkv_layers
+    from qwen_edit_hopper.qwen_edit.fast.block import qkv_layers
     from qwen_edit_hopper.qwen_edit.fast.qkv import fuse_fp8_qkv
 
     dev = torch.device("cuda")
@@ -447,18 +424,18 @@ def test_fused_text_qkv_gemm_matches_the_three(tokens):
             self.transformer_blocks = nn.ModuleList([Block()])
 
     dit = Dit()
-    assert fuse_fp8_qkv(dit, ("text",), keep_separate=True) == 1
     attn = dit.transformer_blocks[0].attn
-    (fused,) = _qkv_layers(attn, image_stream=False)
+    three = {name: getattr(attn, name) for name in ("add_q_proj", "add_k_proj", "add_v_proj")}
+    assert fuse_fp8_qkv(dit, ("text",)) == 1
+    (fused,) = qkv_layers(attn, image_stream=False)
     x = torch.randn(tokens, 3072, device=dev, dtype=torch.bfloat16)
     x8, xs = fused.quantize_input(x)
     got = fused.gemm(x8, xs, torch.bfloat16).split(3072, dim=1)
-    for part, name in zip(got, ("add_q_proj", "add_k_proj", "add_v_proj"), strict=True):
-        layer = getattr(attn, name)
+    tiles = small_m_gemm.CONFIGS[(3072, 9216)]
+    for part, (name, layer) in zip(got, three.items(), strict=True):
         want = layer.gemm(x8, xs, torch.bfloat16)
         if tokens == 300 and torch.cuda.get_device_capability(dev) == (9, 0):
-            same_tiles = small_m_gemm.fp8_gemm_small_m(x8, xs, layer.weight, layer.weight_scale,
-                                                       small_m_gemm.OUTPUT_PROJECTION_CONFIG)
+            same_tiles = small_m_gemm.fp8_gemm_small_m(x8, xs, layer.weight, layer.weight_scale, tiles)
             assert torch.equal(part, same_tiles), name
             assert relative_error(part, want) < 1e-3, name
         else:

@@ -4,11 +4,15 @@ Full-width DiT (dim 3072, 24 heads x 128), 2 blocks, random weights; 512x512 edi
 prompts of 300 / 287 text tokens (as tests/gpu/test_fast_forward_gpu.py). Run on the device machine::
 
     python3 -m pytest tests/gpu/test_graphs_and_modulation_gpu.py -m gpu -q -rs
+
+The model's compiled blocks and CUDA graphs are held by its ``PreparedDit``; shared-input modulation is switched
+through the forward's options (``ForwardOptions.shared_modulation``).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,11 +28,11 @@ from qwen_edit_hopper.fp8.shared_input_gemv import (
     reference_shared_input,
 )
 from qwen_edit_hopper.qwen_edit.checkpoints.dit import DiTConfig
-from qwen_edit_hopper.qwen_edit.fast import graphs, modulation
-from qwen_edit_hopper.qwen_edit.fast_forward import batch_prompts, compile_blocks, fast_model_fn, uncompile_blocks
+from qwen_edit_hopper.qwen_edit.fast.options import SHIPPED
+from qwen_edit_hopper.qwen_edit.fast_forward import PreparedDit, batch_prompts, fast_model_fn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from fast_forward_check import build_random_dit, make_inputs, rel_err
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_dit import build_random_dit, make_inputs, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -123,28 +127,26 @@ def inputs():
 @pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
 def test_forward_with_shared_input_modulation_matches_per_block_calls(fp8_model, inputs, zero_cond_t):
     x, prompts = inputs
-    outs, saved = {}, modulation.FUSED_MODULATION
-    try:
-        for fused in (False, True):
-            modulation.FUSED_MODULATION = fused
-            outs[fused] = fast_model_fn(fp8_model, **x, **prompts[0], zero_cond_t=zero_cond_t,
-                                        attention_backend="cudnn_fp8")  # fmt: skip
-    finally:
-        modulation.FUSED_MODULATION = saved
-    assert modulation._groups(fp8_model) is not None, "the fastest preset's modulation should take the fused path"
+    prepared = PreparedDit(fp8_model)
+    outs = {}
+    for fused in (False, True):
+        outs[fused] = fast_model_fn(prepared, **x, **prompts[0], zero_cond_t=zero_cond_t, attention_backend="cudnn_fp8",
+                                    options=dataclasses.replace(SHIPPED, shared_modulation=fused))
+        assert prepared.last_plan.shared_modulation == fused, prepared.last_plan.describe()
     assert rel_err(outs[True], outs[False]) < 1e-2, rel_err(outs[True], outs[False])
 
 
-def _graph_vs_kernel_by_kernel(model, x, prompts):
+def _graph_vs_kernel_by_kernel(prepared, x, prompts):
     """Batch 1, batch 2 with padded text, and new input values: graphed output against kernel-by-kernel."""
+    model = prepared.module
     two = {**x, **batch_prompts(prompts), "latents": x["latents"].expand(2, -1, -1, -1)}
     other = {**x, "latents": torch.randn_like(x["latents"])}
     calls = [({**x, **prompts[0]}), two, ({**other, **prompts[0]})]
-    plain = [fast_model_fn(model, **c, attention_backend="cudnn_fp8") for c in calls]
-    state = graphs.enable_cuda_graphs(model)
+    plain = [fast_model_fn(prepared, **c, attention_backend="cudnn_fp8") for c in calls]
+    state = prepared.enable_cuda_graphs()
     try:
-        graphed = [fast_model_fn(model, **c, attention_backend="cudnn_fp8") for c in calls]
-        again = fast_model_fn(model, **calls[0], attention_backend="cudnn_fp8")
+        graphed = [fast_model_fn(prepared, **c, attention_backend="cudnn_fp8") for c in calls]
+        again = fast_model_fn(prepared, **calls[0], attention_backend="cudnn_fp8")
         assert state.captures == 2 and state.replays == 4, (state.captures, state.replays)
         for g, p in zip(graphed, plain, strict=True):
             assert rel_err(g, p) < 1e-3, rel_err(g, p)
@@ -155,20 +157,36 @@ def _graph_vs_kernel_by_kernel(model, x, prompts):
         saved = block.img_mlp.net[2].weight.data
         block.img_mlp.net[2].weight.data = (saved.float() * 0.5).to(saved.dtype)
         try:
-            moved = fast_model_fn(model, **calls[0], attention_backend="cudnn_fp8")
+            moved = fast_model_fn(prepared, **calls[0], attention_backend="cudnn_fp8")
             assert state.captures == 3
-            graphs.disable_cuda_graphs(model)
-            assert rel_err(moved, fast_model_fn(model, **calls[0], attention_backend="cudnn_fp8")) < 1e-3
+            prepared.disable_cuda_graphs()
+            assert rel_err(moved, fast_model_fn(prepared, **calls[0], attention_backend="cudnn_fp8")) < 1e-3
             assert rel_err(moved, plain[0]) > 1e-3
         finally:
             block.img_mlp.net[2].weight.data = saved
     finally:
-        graphs.disable_cuda_graphs(model)
+        prepared.disable_cuda_graphs()
 
 
 def test_cuda_graphs_match_kernel_by_kernel_eager_blocks(fp8_model, inputs):
     x, prompts = inputs
-    _graph_vs_kernel_by_kernel(fp8_model, x, prompts)
+    _graph_vs_kernel_by_kernel(PreparedDit(fp8_model), x, prompts)
+
+
+def test_invalidate_drops_the_graphs_and_the_next_call_captures_again(fp8_model, inputs):
+    """The runtime calls ``invalidate`` where it replaces a model's tensors: the graphs go, the next call captures a
+    new one and computes what kernel-by-kernel does."""
+    x, prompts = inputs
+    prepared = PreparedDit(fp8_model)
+    plain = fast_model_fn(prepared, **x, **prompts[0], attention_backend="cudnn_fp8")
+    state = prepared.enable_cuda_graphs()
+    fast_model_fn(prepared, **x, **prompts[0], attention_backend="cudnn_fp8")
+    assert state.captures == 1
+    prepared.invalidate()
+    assert prepared.graphs is not state and len(prepared.graphs) == 0
+    again = fast_model_fn(prepared, **x, **prompts[0], attention_backend="cudnn_fp8")
+    assert prepared.graphs.captures == 1 and rel_err(again, plain) < 1e-3
+    prepared.disable_cuda_graphs()
 
 
 @pytest.mark.slow
@@ -176,11 +194,11 @@ def test_cuda_graphs_match_kernel_by_kernel_compiled_blocks(fp8_model, inputs):
     x, prompts = inputs
     model = copy.deepcopy(fp8_model)
     torch._dynamo.reset()
-    compile_blocks(model)
+    prepared = PreparedDit(model)
+    prepared.compile_blocks()
     try:
-        _graph_vs_kernel_by_kernel(model, x, prompts)
+        _graph_vs_kernel_by_kernel(prepared, x, prompts)
     finally:
-        uncompile_blocks(model)
         torch._dynamo.reset()
 
 
@@ -195,11 +213,11 @@ def test_compiled_block_keeps_its_buffers_aligned(fp8_model, inputs):
     x, prompts = inputs
     model = copy.deepcopy(fp8_model)
     torch._dynamo.reset()
-    compile_blocks(model)
+    prepared = PreparedDit(model)
+    prepared.compile_blocks()
     try:
-        _, codes = run_and_get_code(fast_model_fn, model, **x, **prompts[0], attention_backend="cudnn_fp8")
+        _, codes = run_and_get_code(fast_model_fn, prepared, **x, **prompts[0], attention_backend="cudnn_fp8")
     finally:
-        uncompile_blocks(model)
         torch._dynamo.reset()
     code = "\n".join(codes)
     assert "joint_v_gemm" in code and "cudnn_fp8_attention" in code, "the block should take the joint v GEMM path"

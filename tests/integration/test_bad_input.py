@@ -4,40 +4,15 @@ from __future__ import annotations
 
 import shutil
 
-import numpy as np
 import pytest
-from comfy_server import PromptFailedError, PromptRejectedError
 from fixtures_models import DIFFUSERS_FOLDER
-from prompts import DIT, VAE, apply_fp8, edit_prompt, loader, read_image, sampler, write_image
+from prompts import DIT, VAE, apply_fp8, edit_prompt, loader, sampler, write_image
+from server_checks import assert_server_still_works, execution_error, rejected
 
 
 @pytest.fixture(scope="module")
 def picture(comfy) -> str:
     return write_image(comfy.input_dir / "bad_input.png", 64, 64, seed=9)
-
-
-def execution_error(comfy, prompt) -> str:
-    """Run a prompt that must fail while executing; return ComfyUI's exception message."""
-    with pytest.raises(PromptFailedError) as failed:
-        comfy.run(prompt)
-    error = failed.value.event("execution_error")
-    assert error is not None, failed.value.messages
-    return error["exception_message"]
-
-
-def rejected(comfy, prompt) -> str:
-    """Queue a prompt that must fail validation; return all error text."""
-    with pytest.raises(PromptRejectedError) as refused:
-        comfy.queue(prompt)
-    return refused.value.messages()
-
-
-def assert_server_still_works(comfy, picture, baseline=None):
-    entry = comfy.run(edit_prompt(picture, seed=99, prefix="after_bad"))
-    image = read_image(comfy.output_files(entry)[0])
-    if baseline is not None:
-        assert np.array_equal(image, baseline)
-    return image
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +132,15 @@ def test_steps_and_cfg_out_of_range_are_refused(comfy, picture, field, value, ex
     assert expected in message
 
 
+def test_one_step_of_the_default_schedule_is_refused(comfy, picture, baseline):
+    """DiffSynth's Qwen-Image schedule gives NaN timesteps for one step: refused, never a black image."""
+    message = rejected(comfy, edit_prompt(picture, steps=1, scheduler="default"))
+    assert "steps 1 with the default (Qwen-Image) schedule: it needs at least 2" in message
+    message = execution_error(comfy, edit_prompt(picture, steps=1, scheduler="auto"))
+    assert "steps 1 with the default (Qwen-Image) schedule" in message and "NaN timesteps" in message
+    assert_server_still_works(comfy, picture, baseline)
+
+
 def test_unknown_variant_value_is_refused(comfy, picture):
     message = rejected(comfy, edit_prompt(picture, load=loader(variant="qwen-image-edit-9999")))
     assert "variant" in message
@@ -178,7 +162,23 @@ def test_unknown_gemm_kernel_is_refused_naming_the_input(comfy, picture, baselin
 
 
 def test_fp8_attention_that_cannot_run_is_refused_with_the_reason(comfy, picture, baseline):
-    """cudnn_fp8 on this CPU server (no QWEN_EDIT_FP8_EMULATE): refused at validation, naming input and reason."""
+    """cudnn_fp8 on this CPU server (where_unsupported: refuse, the default): refused at validation, naming input
+    and reason and the way to check the workflow anyway."""
     message = rejected(comfy, edit_prompt(picture, load=loader(attention="cudnn_fp8")))
     assert "attention cudnn_fp8 cannot run here" in message and "CUDA" in message
+    assert "set where_unsupported to emulate" in message
+    assert_server_still_works(comfy, picture, baseline)
+
+
+def test_fp8_backend_that_cannot_run_is_refused_unless_emulation_is_chosen(comfy, picture, baseline):
+    """Apply TE-FP8 scaled_mm_rowwise on this CPU: refused by default; with where_unsupported emulate it runs its
+    fp32 reference path and says EMULATED; a value it does not know is refused naming the input."""
+    message = rejected(comfy, edit_prompt(picture, chain=[apply_fp8("scaled_mm_rowwise")]))
+    assert "backend scaled_mm_rowwise cannot run here" in message and "where_unsupported" in message
+    entry = comfy.run(edit_prompt(picture, chain=[apply_fp8("scaled_mm_rowwise", where_unsupported="emulate")],
+                                  seed=3, prefix="emulated"))
+    texts = " ".join(t for out in entry["outputs"].values() for t in out.get("text", []))
+    assert "EMULATED: scaled_mm_rowwise cannot run here" in texts
+    message = rejected(comfy, edit_prompt(picture, chain=[apply_fp8("weight_only", where_unsupported="fallback")]))
+    assert "where_unsupported 'fallback' is not one of refuse, emulate" in message
     assert_server_still_works(comfy, picture, baseline)

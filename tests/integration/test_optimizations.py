@@ -39,9 +39,14 @@ def base_image(comfy, picture) -> np.ndarray:
 
 
 def reference_with_deltas(comfy, lora_name: str, strength: float, picture_path) -> np.ndarray:
-    """The edit computed in this process with W + strength * scale * B @ A set by hand (the math reference)."""
+    """The edit computed in this process with W + strength * scale * B @ A set by hand (the math reference).
+
+    It computes in the server's dtype (``compute_dtype``: float32 on this CPU server), so the two differ only by
+    where the LoRA delta was added.
+    """
     from PIL import Image
     from qwen_edit_hopper.qwen_edit.checkpoints.layouts import resolve_single_files
+    from qwen_edit_hopper.qwen_edit.compute_dtype import compute_dtype
     from qwen_edit_hopper.qwen_edit.edit import run_edit
     from qwen_edit_hopper.qwen_edit.lora import load_lora, shapes_of
     from qwen_edit_hopper.qwen_edit.plan import PipePlan, Variant
@@ -52,10 +57,10 @@ def reference_with_deltas(comfy, lora_name: str, strength: float, picture_path) 
     models = comfy.models_dir
     files = resolve_single_files(dit=models / "diffusion_models" / DIT, text_encoder=models / "text_encoders" /
                                  TEXT_ENCODER, vae=models / "vae" / VAE)
-    runtime = PlanRuntime("cpu", comfy_tokenizer_dir=tokenizer_dir())
+    runtime = PlanRuntime("cpu", compute_dtype("cpu"), comfy_tokenizer_dir=tokenizer_dir())
     plan = PipePlan(files=files, variant=Variant.EDIT_2509, variant_reason="test")
     with torch.inference_mode():
-        dit = runtime.base_dit(plan).module
+        dit = runtime.dit(plan).module
         parsed = load_lora(models / "loras" / lora_name, shapes_of(dit))
         params = dict(dit.named_parameters())
         for patch in parsed.patches:
@@ -158,6 +163,10 @@ def test_weight_only_fp8_is_close_to_bf16_and_reports_layers(comfy, picture, bas
     fp8_image, texts = run_texts(comfy, picture, [apply_fp8("weight_only")], seed=5)
     assert db(fp8_image, base_image) > 25
     assert "fp8 compute" not in texts or "fp8 storage" in texts
+    # the Sampler says which fast-forward kernels ran and why the others did not (on this CPU: none of them)
+    kernels = next(line for line in texts.splitlines() if line.startswith("kernels: "))
+    assert kernels.startswith("kernels: trim_last_block; left out: shared_modulation (")
+    assert "norm_quant (the model runs on cpu; the kernel needs a CUDA GPU)" in kernels
 
 
 def test_fp8_compute_on_this_cpu_is_refused_with_the_reason(comfy, picture):

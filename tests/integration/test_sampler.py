@@ -48,7 +48,8 @@ def test_same_seed_same_image_and_another_seed_differs(comfy, picture):
 
 
 def test_default_output_size_follows_the_image_aspect_at_one_megapixel(comfy, picture):
-    entry = comfy.run(edit_prompt(picture, width=0, height=0, steps=1, cfg=1.0, prefix="auto_size"), timeout=900)
+    entry = comfy.run(edit_prompt(picture, width=0, height=0, steps=1, cfg=1.0, scheduler="lightning",
+                                  prefix="auto_size"), timeout=900)
     image = read_image(comfy.output_files(entry)[0])
     height, width = image.shape[:2]
     assert width % 16 == 0 and height % 16 == 0
@@ -62,6 +63,7 @@ def test_sizes_not_multiple_of_16_are_rounded_and_said_so(comfy, picture):
     assert image.shape[:2] == (48, 64)
     texts = " ".join(t for out in entry["outputs"].values() for t in out.get("text", []))
     assert "asked 70x50, rounded to multiples of 16" in texts
+    assert "compute dtype: float32 (cpu; bf16 on a GPU)" in texts
 
 
 def test_interrupt_stops_sampling_and_the_next_prompt_succeeds(comfy, picture):

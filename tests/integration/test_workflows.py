@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from comfy_server import ComfyServer
-from prompts import read_image
+from prompts import emulating, read_image
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -57,7 +57,7 @@ def test_widget_order_matches_the_servers_input_order(emulating_comfy: ComfyServ
 
 @pytest.mark.parametrize("name", WORKFLOWS)
 def test_every_api_twin_completes_and_writes_its_image(emulating_comfy: ComfyServer, name: str):
-    prompt = json.loads((ROOT / "example_workflows" / "api" / f"{name}.json").read_text())
+    prompt = emulating(json.loads((ROOT / "example_workflows" / "api" / f"{name}.json").read_text()))
     started = time.monotonic()
     entry = emulating_comfy.run(prompt, timeout=1800)
     images = emulating_comfy.output_files(entry)
@@ -67,6 +67,9 @@ def test_every_api_twin_completes_and_writes_its_image(emulating_comfy: ComfySer
     texts = " ".join(t for out in entry["outputs"].values() for t in out.get("text", []))
     if name == "qwen_edit_benchmark":
         assert "| variant |" in texts and "CPU figures" in texts
+        assert "compute dtype: float32 (cpu; bf16 on a GPU)" in texts
+        # the diagnosis names the ComfyUI it runs in
+        assert f"{emulating_comfy.comfyui}  (the running ComfyUI; tested with this pack)" in texts
     if name == "qwen_edit_fastest":  # no Hopper GPU here: the FP8 attention runs as its mirror, and says so
         # In this run's outputs, or in the first run of these inputs on this shared server (the browser test
         # runs the same prompt; ComfyUI reports no UI text for cached nodes).

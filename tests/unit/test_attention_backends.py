@@ -13,20 +13,23 @@ tests/gpu/test_attention_fp8.py.
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import pytest
 import torch
 from qwen_edit_hopper.fp8.attention import (
     BACKENDS,
     AttentionUnavailableError,
     attention,
+    attention_capability,
     available_backends,
-    check_backend,
 )
 from qwen_edit_hopper.fp8.attention.reference import (
     quantize_reference,
     reference_attention,
     reference_quantized_attention,
 )
+from qwen_edit_hopper.fp8.capability import Capability
 from qwen_edit_hopper.fp8.quant import relative_error
 from triton_interpreter import run_probe
 
@@ -50,46 +53,45 @@ def _qkv(b=1, h=2, s=96, d=64, dtype=torch.bfloat16, seed=0, k_bias=0.0):
 
 def test_registry_lists_every_backend():
     assert BACKENDS == (
-        "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn", "triton_fp8", "gluon_int8",
-        "cudnn_fp8", "cudnn_fp8_emulated",
+        "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flash_attn", "triton_fp8", "cudnn_fp8",
+        "cudnn_fp8_emulated",
     )  # fmt: skip
     table = available_backends("cpu")
     assert set(table) == set(BACKENDS)
-    for name, (ok, reason) in table.items():
-        assert isinstance(ok, bool) and isinstance(reason, str) and reason, name
+    for name, capability in table.items():
+        assert isinstance(capability, Capability), name
+        assert isinstance(capability.ok, bool) and isinstance(capability.reason, str) and capability.reason, name
 
 
 def test_cpu_reasons():
-    ok, reason = check_backend("triton_fp8", "cpu")
+    ok, reason = astuple(attention_capability("triton_fp8", "cpu"))
     assert not ok and "needs a CUDA GPU with compute capability 9.0" in reason
-    ok, reason = check_backend("gluon_int8", "cpu")
-    assert not ok and reason.startswith("gluon_int8 needs a CUDA GPU with compute capability 9.0")
-    ok, reason = check_backend("sdpa_cudnn", "cpu")
+    ok, reason = astuple(attention_capability("sdpa_cudnn", "cpu"))
     assert not ok and "CUDA" in reason
-    ok, reason = check_backend("sdpa_efficient", "cpu")
+    ok, reason = astuple(attention_capability("sdpa_efficient", "cpu"))
     assert not ok and "CPU" in reason
-    assert check_backend("sdpa", "cpu")[0]
-    assert check_backend("sdpa_math", "cpu")[0]
-    assert check_backend("sdpa_flash", "cpu")[0]
-    ok, reason = check_backend("flash_attn", "cpu")
+    assert attention_capability("sdpa", "cpu").ok
+    assert attention_capability("sdpa_math", "cpu").ok
+    assert attention_capability("sdpa_flash", "cpu").ok
+    ok, reason = astuple(attention_capability("flash_attn", "cpu"))
     assert not ok and ("not installed" in reason or "CUDA" in reason)
 
 
 def test_triton_fp8_shape_reasons_are_reported_before_the_device():
     # On CPU the device reason wins; the shape reasons are checked once the device passes (GPU tests).
-    ok, reason = check_backend("triton_fp8", "cpu", head_dim=80, dtype=torch.float16)
+    ok, reason = astuple(attention_capability("triton_fp8", "cpu", head_dim=80, dtype=torch.float16))
     assert not ok and "compute capability 9.0" in reason
 
 
 def test_unknown_backend_is_a_value_error():
     with pytest.raises(ValueError, match="unknown attention backend 'fa9'"):
-        check_backend("fa9", "cpu")
+        attention_capability("fa9", "cpu")
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="known backends"):
         attention(q, k, v, "fa9")
 
 
-@pytest.mark.parametrize("name", ["triton_fp8", "gluon_int8", "sdpa_cudnn", "sdpa_efficient"])
+@pytest.mark.parametrize("name", ["triton_fp8", "sdpa_cudnn", "sdpa_efficient"])
 def test_unavailable_backend_raises_with_reason(name):
     q, k, v = _qkv()
     with pytest.raises(AttentionUnavailableError, match=name):
@@ -102,7 +104,7 @@ def test_bad_shapes_and_misplaced_config():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="share one"):
         attention(q, k[:, :, :10], v, "sdpa")
-    with pytest.raises(ValueError, match="triton_fp8 and gluon_int8 only"):
+    with pytest.raises(ValueError, match="triton_fp8 only"):
         attention(q, k, v, "sdpa", config=Fp8AttentionConfig())
 
 

@@ -1,7 +1,7 @@
 """cuDNN FP8 attention's quantization, its fp32 mirror and the block path, on CPU (the kernel itself: tests/gpu).
 
 What runs here is the code users hit, with the cuDNN kernel replaced by ``reference_kernel`` only where the
-backend is ``cudnn_fp8_emulated`` (the Load node's choice under QWEN_EDIT_FP8_EMULATE=1).
+backend is ``cudnn_fp8_emulated`` (the Load node's choice under ``where_unsupported: emulate``).
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
-from qwen_edit_hopper.fp8.attention import attention, check_backend
+from qwen_edit_hopper.fp8.attention import attention, attention_capability
 from qwen_edit_hopper.fp8.attention import cudnn_fp8 as cf
-from qwen_edit_hopper.qwen_edit.fast.block import qk_norm_rope
 from qwen_edit_hopper.qwen_edit.fast.fp8_attention import Fp8AttentionOutput, split_output
 from qwen_edit_hopper.qwen_edit.fast.prequant import Prequantized
+from qwen_edit_hopper.qwen_edit.fast.rope import qk_norm_rope
 from qwen_edit_hopper.qwen_edit.fast_forward import batch_prompts, fast_model_fn
 from test_fast_forward import build_dit, make_inputs, rel
 
@@ -76,12 +76,13 @@ def test_mirror_is_fp8_accurate_and_not_a_bf16_copy():
 
 
 def test_backend_checks_name_what_is_missing():
-    ok, reason = check_backend("cudnn_fp8", "cpu")
-    assert not ok and "CUDA" in reason
-    ok, reason = check_backend("cudnn_fp8_emulated", "cpu")
-    assert ok and "mirror" in reason
-    ok, reason = cf.frontend_status()
-    assert ("cuDNN 9" in reason) if ok else ("pip install nvidia-cudnn-frontend" in reason or "could not" in reason)
+    capability = attention_capability("cudnn_fp8", "cpu")
+    assert not capability.ok and "CUDA" in capability.reason
+    capability = attention_capability("cudnn_fp8_emulated", "cpu")
+    assert capability.ok and "mirror" in capability.reason
+    frontend = cf.frontend_capability()
+    assert ("cuDNN 9" in frontend.reason) if frontend.ok else (
+        "pip install nvidia-cudnn-frontend" in frontend.reason or "could not" in frontend.reason)
 
 
 def test_split_output_hands_fp8_rows_to_the_output_projections():
@@ -102,7 +103,8 @@ def test_split_output_hands_fp8_rows_to_the_output_projections():
 
 
 def test_split_output_takes_the_row_scales_the_v_kernel_wrote():
-    """With row scales from fp8.v_quant, the output projections get those tensors, not a fresh expansion."""
+    """With row scales from qwen_edit.kernels.joint_v_quant, the output projections get those tensors, not a fresh
+    expansion."""
     b, s, width, si = 2, 10, 32, 6
     out8 = (torch.randn(b, s, width) * 100).to(torch.float8_e4m3fn)
     rows = torch.full((b * si, 1), 0.5), torch.full((b * (s - si), 1), 0.5)

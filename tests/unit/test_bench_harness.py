@@ -92,7 +92,7 @@ def test_tiny_run_on_cpu_forward_cfg_and_e2e(tmp_path, comfy_env, capsys):
 def test_runtime_takes_injected_components_and_variant(tmp_path, comfy_env):
     from qwen_edit_hopper.fp8 import Fp8Config
     from qwen_edit_hopper.qwen_edit.plan import PipePlan, Variant
-    from qwen_edit_hopper.qwen_edit.runtime import PlanRuntime
+    from qwen_edit_hopper.qwen_edit.runtime import PlanRuntime, vae_key
 
     dit = hm.build_dit("tiny", "cpu", torch.bfloat16)
     text_encoder = hm.build_text_encoder("tiny", "cpu", torch.bfloat16)
@@ -108,15 +108,12 @@ def test_runtime_takes_injected_components_and_variant(tmp_path, comfy_env):
     e2e.inject_variant(runtime, fp8_plan, prebuilt)
     assert runtime.dit(fp8_plan).module is prebuilt
 
-    # if the runtime's cache keys ever change, the injection fails loudly instead of loading placeholder files
-    real_keys = e2e.component_keys
-    try:
-        e2e.component_keys = lambda files: {k: (f"old-{k}", *v[1:]) for k, v in real_keys(files).items()}
-        fresh = PlanRuntime("cpu", torch.bfloat16, comfy_tokenizer_dir=COMFY_TOKENIZER_DIR)
-        with pytest.raises(RuntimeError, match="cache keys changed"):
-            e2e.inject_components(fresh, plan, dit=dit, text_encoder=text_encoder, vae=vae)
-    finally:
-        e2e.component_keys = real_keys
+    # a module under another key is not what the getters return: the injection fails loudly
+    fresh = PlanRuntime("cpu", torch.bfloat16, comfy_tokenizer_dir=COMFY_TOKENIZER_DIR)
+    fresh.adopt(("vae", "elsewhere"), vae, "stray VAE")
+    fresh.adopt(vae_key(plan), hm.build_vae("tiny", "cpu", torch.bfloat16), "another VAE")
+    with pytest.raises(RuntimeError, match="another module than the injected vae"):
+        e2e.inject_components(fresh, plan, dit=dit, text_encoder=text_encoder, vae=vae)
 
 
 def test_choose_fastest():

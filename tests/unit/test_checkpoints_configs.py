@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -51,12 +52,24 @@ def test_dit_config_round_trips():
     assert infer_dit_config(_dit_shapes(config), source=SOURCE) == config
 
 
-def test_dit_config_json_rope_axes_win_and_mismatch_warns(caplog):
-    shapes = _dit_shapes()
-    hf = {"axes_dims_rope": [8, 12, 12], "num_layers": 60}
-    config = infer_dit_config(shapes, source=SOURCE, hf_config=hf)
+def test_dit_config_json_rope_axes_are_used():
+    config = infer_dit_config(_dit_shapes(), source=SOURCE, hf_config={"axes_dims_rope": [8, 12, 12], "num_layers": 2})
     assert config.axes_dim == (8, 12, 12) and config.num_layers == 2
-    assert "num_layers=60 but the weights give 2" in caplog.text
+
+
+@pytest.mark.parametrize(("field", "declared", "actual"), [
+    ("num_layers", 60, 2),
+    ("attention_head_dim", 128, 32),
+    ("num_attention_heads", 24, 2),
+    ("joint_attention_dim", 3584, 32),
+])
+def test_dit_config_json_disagreeing_with_the_weights_is_refused(field, declared, actual):
+    with pytest.raises(CheckpointError) as info:
+        infer_dit_config(_dit_shapes(), source=SOURCE, hf_config={field: declared})
+    message = str(info.value)
+    assert message.startswith("model.safetensors disagrees with transformer/config.json")
+    assert f"{field} is {declared} there but {actual} in the weights" in message
+    assert "download the whole folder again" in message
 
 
 def test_dit_missing_tensor():
@@ -66,14 +79,36 @@ def test_dit_missing_tensor():
         infer_dit_config(shapes, source=SOURCE)
 
 
-def test_dit_missing_layer_and_wrong_mlp():
-    shapes = {k: v for k, v in _dit_shapes().items() if not k.startswith("transformer_blocks.0.attn.to_q")}
-    shapes = {k.replace("transformer_blocks.1.", "transformer_blocks.2."): v for k, v in shapes.items()}
-    shapes["transformer_blocks.0.img_mlp.net.0.proj.weight"] = (128, 64)
-    with pytest.raises(CheckpointError) as info:
+def test_dit_block_gap_is_named():
+    shapes = {k.replace("transformer_blocks.1.", "transformer_blocks.2."): v for k, v in _dit_shapes().items()}
+    with pytest.raises(CheckpointError, match=r"lacks transformer blocks 1: it holds 2 transformer blocks numbered "
+                                              r"0 to 2, with gaps"):
         infer_dit_config(shapes, source=SOURCE)
-    assert "transformer_blocks [1] are missing" in str(info.value)
-    assert "DiffSynth's blocks need 4 * dim = 256" in str(info.value)
+
+
+def test_dit_incomplete_block_names_block_and_keys():
+    shapes = {k: v for k, v in _dit_shapes().items() if not k.startswith("transformer_blocks.1.attn.to_q")}
+    with pytest.raises(CheckpointError, match=r"has incomplete transformer blocks: transformer block 1 lacks 2 of "
+                                              r"its \d+ tensors \('attn\.to_q\.bias', 'attn\.to_q\.weight'\)"):
+        infer_dit_config(shapes, source=SOURCE)
+
+
+def test_dit_wrong_mlp_width():
+    shapes = _dit_shapes()
+    shapes["transformer_blocks.0.img_mlp.net.0.proj.weight"] = (128, 64)
+    with pytest.raises(CheckpointError, match=r"DiffSynth's blocks need 4 \* dim = 256"):
+        infer_dit_config(shapes, source=SOURCE)
+
+
+def test_released_width_without_config_needs_the_released_block_count():
+    full = keys_and_shapes(create_dit(DiTConfig(dim=3072, num_layers=60, num_heads=24, head_dim=128, text_dim=3584)))
+    assert infer_dit_config(full, source=SOURCE).num_layers == 60
+    short = {k: v for k, v in full.items() if not re.match(r"transformer_blocks\.(5[2-9])\.", k)}
+    with pytest.raises(CheckpointError) as info:
+        infer_dit_config(short, source=SOURCE)
+    assert "holds 52 transformer blocks, but the released Qwen-Image DiT at dim 3072 says 60" in str(info.value)
+    # a config stating the count is the way to load a deliberately smaller model
+    assert infer_dit_config(short, source=SOURCE, hf_config={"num_layers": 52}).num_layers == 52
 
 
 def test_dit_config_rejects_bad_values():

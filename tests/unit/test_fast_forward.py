@@ -20,10 +20,11 @@ from qwen_edit_hopper.fp8 import Fp8Config, LayerPreset, WeightOnlyLinear, quant
 from qwen_edit_hopper.fp8.presets import QWEN_ATTN, QWEN_KEEP, QWEN_MLP, QWEN_MOD
 from qwen_edit_hopper.qwen_edit.checkpoints.dit import create_dit
 from qwen_edit_hopper.qwen_edit.fast import text as fast_text
-from qwen_edit_hopper.qwen_edit.fast.block import rope_complex, rope_real
-from qwen_edit_hopper.qwen_edit.fast.rope import rope_tables
+from qwen_edit_hopper.qwen_edit.fast.options import SHIPPED
+from qwen_edit_hopper.qwen_edit.fast.rope import rope_complex, rope_real, rope_tables
 from qwen_edit_hopper.qwen_edit.fast_forward import (
     FUSED_QKV_PATTERN,
+    PreparedDit,
     batch_prompts,
     fast_model_fn,
     fuse_qkv,
@@ -306,13 +307,18 @@ def test_default_preset_covers_fused_layers():
 
 
 def test_text_lengths_read_once_per_mask(monkeypatch):
+    """The prepared model reads a mask's lengths once; another prepared model keeps its own."""
     calls = []
     original = fast_text._lengths_from_mask
     monkeypatch.setattr(fast_text, "_lengths_from_mask", lambda m: calls.append(1) or original(m))
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    assert text_lengths(mask) == (3, 4)
-    assert text_lengths(mask) == (3, 4)
+    prepared = PreparedDit(torch.nn.Module())
+    assert prepared.text_lengths(mask) == (3, 4)
+    assert prepared.text_lengths(mask) == (3, 4)
     assert len(calls) == 1
+    assert PreparedDit(torch.nn.Module()).text_lengths(mask) == (3, 4)
+    assert len(calls) == 2
+    assert text_lengths(mask) == (3, 4)
     with pytest.raises(ValueError, match="right-padded"):
         text_lengths(torch.tensor([[0, 1, 1, 1]]))
 
@@ -332,11 +338,10 @@ def test_rejects_what_it_does_not_support():
 
 @pytest.mark.parametrize("backend", ["sdpa", "cudnn_fp8_emulated"])
 @pytest.mark.parametrize("zero_cond_t", [False, True], ids=["t", "zero_cond_t"])
-def test_last_block_computes_only_the_target_tokens(monkeypatch, backend, zero_cond_t):
+def test_last_block_computes_only_the_target_tokens(backend, zero_cond_t):
     """After its attention the last block runs the output projection on the target tokens only (not the reference
-    tokens) and skips the text stream; every other block runs whole; the output is what the whole block gives."""
-    from qwen_edit_hopper.qwen_edit import fast_forward
-
+    tokens) and skips the text stream; every other block runs whole; the output is what the whole block gives.
+    ``ForwardOptions.trim_last_block`` chooses (the shipped options trim)."""
     dit = _dit(torch.bfloat16)
     x = make_inputs(torch.bfloat16)  # 8 x 8 = 64 target tokens, 6 x 6 = 36 reference tokens
     seen: list[tuple[int, str, int]] = []
@@ -346,9 +351,10 @@ def test_last_block_computes_only_the_target_tokens(monkeypatch, backend, zero_c
     outputs = {}
     try:
         for trim in (False, True):
-            monkeypatch.setattr(fast_forward, "TRIM_LAST_BLOCK", trim)
             seen.clear()
-            outputs[trim] = fast_model_fn(dit, **x, zero_cond_t=zero_cond_t, attention_backend=backend)
+            options = dataclasses.replace(SHIPPED, trim_last_block=trim)
+            outputs[trim] = fast_model_fn(dit, **x, zero_cond_t=zero_cond_t, attention_backend=backend,
+                                          options=options)
             outputs[trim, "rows"] = list(seen)
     finally:
         for hook in hooks:

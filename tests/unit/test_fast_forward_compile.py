@@ -1,5 +1,6 @@
 """The fast forward under torch.compile on CPU: no graph breaks in a block, one graph for all blocks but the last
-(which computes only the target tokens after its attention: a second graph), no recompiles.
+(which computes only the target tokens after its attention: a second graph), no recompiles, and the kernel plan
+reaching the compiled block as a value Dynamo guards by value (no recompile for an equal plan of another call).
 
 Graph breaks are checked with ``torch._dynamo.explain`` (no code generation). Recompiles are counted
 with a backend that counts the graphs dynamo hands it; one Inductor compile (CPU C++) checks that the
@@ -8,19 +9,22 @@ compiled forward computes what eager computes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from qwen_edit_hopper.fp8 import Fp8Config, LayerPreset, quantize_linears
 from qwen_edit_hopper.fp8.presets import QWEN_ATTN, QWEN_KEEP, QWEN_MLP, QWEN_MOD
 from qwen_edit_hopper.qwen_edit import fast_forward
 from qwen_edit_hopper.qwen_edit.fast.block import fast_block
+from qwen_edit_hopper.qwen_edit.fast.block_kernels import BlockKernels
+from qwen_edit_hopper.qwen_edit.fast.options import SHIPPED, UNFUSED
 from qwen_edit_hopper.qwen_edit.fast_forward import (
     FUSED_QKV_PATTERN,
+    PreparedDit,
     batch_prompts,
-    compile_blocks,
     fast_model_fn,
     fuse_qkv,
-    uncompile_blocks,
 )
 from test_fast_forward import BF16_TOL, build_dit, make_inputs, reference, rel
 
@@ -91,12 +95,17 @@ def test_block_has_no_graph_breaks(monkeypatch, fuse, fp8, batch2, zero_cond_t, 
 
 
 @pytest.mark.parametrize("trim_last_block", [True, False], ids=["last-block-trimmed", "last-block-whole"])
-def test_one_graph_for_all_blocks_and_no_recompile_for_new_shapes_or_weights(monkeypatch, trim_last_block):
-    monkeypatch.setattr(fast_forward, "TRIM_LAST_BLOCK", trim_last_block)
+def test_one_graph_for_all_blocks_and_no_recompile_for_new_shapes_or_weights(trim_last_block):
+    options = dataclasses.replace(SHIPPED, trim_last_block=trim_last_block)
     per_batch = 2 if trim_last_block else 1  # blocks 0..n-2, and the last block's target-only graph
-    dit = build_dit(torch.bfloat16, layers=4)
+    model = build_dit(torch.bfloat16, layers=4)
+    dit = PreparedDit(model)
     counter = CountingBackend()
-    compile_blocks(dit, backend=counter)
+    dit.compile_blocks(backend=counter)
+
+    def fast_model_fn(dit, **inputs):  # every call with this test's options
+        return fast_forward.fast_model_fn(dit, **inputs, options=options)
+
     first = make_inputs(torch.bfloat16)
     fast_model_fn(dit, **first)
     assert counter.graphs == per_batch  # 4 blocks: parameters are inputs, not constants
@@ -107,7 +116,7 @@ def test_one_graph_for_all_blocks_and_no_recompile_for_new_shapes_or_weights(mon
     # Weights changed in place (a LoRA strength): no recompile, and the output follows the weights.
     before = fast_model_fn(dit, **first)
     with torch.no_grad():
-        dit.transformer_blocks[1].attn.to_v.weight.mul_(1.5)
+        model.transformer_blocks[1].attn.to_v.weight.mul_(1.5)
     after = fast_model_fn(dit, **first)
     assert counter.graphs == per_batch
     assert rel(after, before) > 1e-3
@@ -127,12 +136,41 @@ def test_inductor_compiled_forward_matches_eager():
     x = make_inputs(torch.bfloat16)
     y = make_inputs(torch.bfloat16, latent=(8, 12), refs=((16, 8),), text_tokens=21, seed=5)
     eager = [fast_model_fn(dit, **x, zero_cond_t=True), fast_model_fn(dit, **y, zero_cond_t=True)]
-    compile_blocks(dit)
-    try:
-        compiled = [fast_model_fn(dit, **x, zero_cond_t=True), fast_model_fn(dit, **y, zero_cond_t=True)]
-    finally:
-        uncompile_blocks(dit)
+    prepared = PreparedDit(dit)
+    prepared.compile_blocks()
+    compiled = [fast_model_fn(prepared, **x, zero_cond_t=True), fast_model_fn(prepared, **y, zero_cond_t=True)]
     ref = reference(build_dit(torch.bfloat16), **x, zero_cond_t=True)
     for c, e in zip(compiled, eager, strict=True):
         assert rel(c, e) < BF16_TOL, rel(c, e)
     assert rel(compiled[0], ref) < BF16_TOL
+
+
+def test_the_kernel_plan_is_guarded_by_value():
+    """The block function takes the kernel plan's ``BlockKernels`` as an argument: an equal value from another call
+    (other options object, other shape, so another plan) reuses the graph; a different value is a new graph, and an
+    equal copy of that one reuses it in turn."""
+    model = build_dit(torch.bfloat16, layers=3)
+    dit = PreparedDit(model)
+    counter = CountingBackend()
+    dit.compile_blocks(backend=counter)
+    x = make_inputs(torch.bfloat16)
+    fast_model_fn(dit, **x)
+    assert counter.graphs == 2  # blocks 0..n-2, and the trimmed last block
+    first = dit.last_plan
+    # Other options with the same outcome on this CPU model (the fused kernels are left out here anyway), and
+    # another shape: new plan objects, equal block values.
+    fast_model_fn(dit, **x, options=dataclasses.replace(UNFUSED, trim_last_block=True))
+    fast_model_fn(dit, **make_inputs(torch.bfloat16, latent=(8, 12), refs=((16, 8),), text_tokens=21, seed=5))
+    assert dit.last_plan is not first and dit.last_plan.block == first.block
+    assert counter.graphs == 2, counter.graphs
+    # A different value reaches the compiled function: a new graph; an equal new object: none.
+    calls = []
+    real = dit.compiled.fn
+    object.__setattr__(dit.compiled, "fn", lambda *args: calls.append(args) or real(*args))
+    fast_model_fn(dit, **x)
+    args = list(calls[0])
+    kernels_at = args.index(first.block)
+    for value in (BlockKernels(small_m_gemm=True), BlockKernels(small_m_gemm=True)):
+        args[kernels_at] = value
+        real(*args)
+    assert counter.graphs == 3, counter.graphs

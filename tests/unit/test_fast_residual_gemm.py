@@ -14,9 +14,11 @@ from qwen_edit_hopper.fp8.linear import ScaledMMLinear
 from qwen_edit_hopper.fp8.quant import FP8_DTYPE
 from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
 from qwen_edit_hopper.qwen_edit.fast import residual_gemm
+from qwen_edit_hopper.qwen_edit.fast.block_kernels import BlockKernels
 from torch import nn
 
 N, K, TOKENS = 32, 64, 6
+BOTH_SITES = BlockKernels(residual_epilogue=("attention", "mlp"))
 
 
 @pytest.fixture
@@ -52,7 +54,7 @@ def test_gate_folds_into_column_scale_and_bias(reference_op, bias):
     layer = _layer(bias)
     x, residual, gate = _inputs(batch=2)
     x8, x_scale = layer.quantize_input(x)
-    out = residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual, "mlp")
+    out = residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual, "mlp", BOTH_SITES)
     gemm = (x8.float() @ layer.weight.float().t()) * x_scale * layer.weight_scale.reshape(1, N)
     expected = residual.float() + gate.float() * (gemm.reshape(2, TOKENS, N) + (layer.bias.float() if bias else 0.0))
     assert out.shape == residual.shape and out.dtype == torch.bfloat16
@@ -62,21 +64,23 @@ def test_gate_folds_into_column_scale_and_bias(reference_op, bias):
     assert (folded_bias is None) == (not bias)
 
 
-def test_it_declines_where_the_update_is_not_one_gemm_epilogue(reference_op, monkeypatch):
+def test_it_declines_where_the_update_is_not_one_gemm_epilogue(reference_op):
     x, residual, gate = _inputs()
     layer = _layer()
     x8, x_scale = layer.quantize_input(x)
     per_token_gate = gate.expand(1, TOKENS, N).contiguous()  # zero_cond_t: the gate varies per token
-    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, per_token_gate, residual, "mlp") is None
-    assert residual_gemm.gated_residual_gemm(_layer(kernel="torch"), x8, x_scale, gate, residual, "mlp") is None
-    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual.float(), "mlp") is None
+    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, per_token_gate, residual, "mlp", BOTH_SITES) is None
+    torch_kernel = _layer(kernel="torch")
+    assert residual_gemm.gated_residual_gemm(torch_kernel, x8, x_scale, gate, residual, "mlp", BOTH_SITES) is None
+    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual.float(), "mlp", BOTH_SITES) is None
     assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual.transpose(1, 2).contiguous()
-                                             .transpose(1, 2), "mlp") is None
-    monkeypatch.setattr(residual_gemm, "SITES", ("attention",))
-    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual, "mlp") is None
-    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual, "attention") is not None
+                                             .transpose(1, 2), "mlp", BOTH_SITES) is None
+    attention_only = BlockKernels(residual_epilogue=("attention",))
+    assert residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual, "mlp", attention_only) is None
+    out = residual_gemm.gated_residual_gemm(layer, x8, x_scale, gate, residual, "attention", attention_only)
+    assert out is not None
     emulated = ScaledMMLinear.from_linear(nn.Linear(K, N), emulate=True, gemm_kernel="cublaslt")
-    assert residual_gemm.gated_residual_gemm(emulated, x8, x_scale, gate, residual, "attention") is None
+    assert residual_gemm.gated_residual_gemm(emulated, x8, x_scale, gate, residual, "attention", BOTH_SITES) is None
     assert len(reference_op) == 1
 
 
@@ -87,7 +91,7 @@ def test_mlp_residual_equals_addcmul_of_the_module_on_the_plain_path():
     mlp = QwenFeedForward(dim=K, dim_out=K)
     x, residual, gate = torch.randn(1, TOKENS, K), torch.randn(1, TOKENS, K), torch.randn(1, 1, K)
     with torch.no_grad():
-        out = fast_mlp.mlp_residual(mlp, x, residual, gate)
+        out = fast_mlp.mlp_residual(mlp, x, residual, gate, BOTH_SITES)
         torch.testing.assert_close(out, torch.addcmul(residual, gate, mlp(x)), rtol=0, atol=0)
 
 

@@ -6,8 +6,9 @@ import importlib
 
 import pytest
 import torch
-from qwen_edit_hopper.fp8 import capability as cap_mod
-from qwen_edit_hopper.fp8.capability import Capability, check_backend, require_backend, te_capability
+from qwen_edit_hopper.fp8 import backend_checks as checks_mod
+from qwen_edit_hopper.fp8.backend_checks import check_backend, require_backend, te_capability
+from qwen_edit_hopper.fp8.capability import Capability
 from qwen_edit_hopper.fp8.config import Fp8Config, TeRecipeConfig
 from qwen_edit_hopper.fp8.diagnose import diagnose
 from qwen_edit_hopper.fp8.errors import Fp8UnavailableError
@@ -82,7 +83,7 @@ def test_te_on_hopper_without_te_reports_the_install(fake_gpu):
 
 def test_rowwise_probe_failure_becomes_the_reason(fake_gpu, monkeypatch):
     fake_gpu((9, 0), "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(cap_mod, "_probe_scaled_mm", lambda index, granularity: (False, "RuntimeError: no kernel"))
+    monkeypatch.setattr(checks_mod, "_probe_scaled_mm", lambda index, granularity: (False, "RuntimeError: no kernel"))
     result = check_backend("scaled_mm_rowwise")
     assert not result.ok
     assert "cannot run rowwise torch._scaled_mm on NVIDIA H100 80GB HBM3" in result.reason

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qwen_edit_hopper.fp8 import capability as cap_mod
+from qwen_edit_hopper.fp8 import backend_checks as checks_mod
 from qwen_edit_hopper.fp8 import cublaslt_gemm
 from qwen_edit_hopper.fp8 import linear as linear_mod
-from qwen_edit_hopper.fp8.capability import check_backend
+from qwen_edit_hopper.fp8.backend_checks import check_backend
+from qwen_edit_hopper.fp8.capability import Capability
 from qwen_edit_hopper.fp8.config import Fp8Config
 from qwen_edit_hopper.fp8.errors import Fp8UnavailableError
 from qwen_edit_hopper.fp8.linear import ScaledMMLinear
@@ -67,7 +68,8 @@ def test_gemm_dispatches_to_cublaslt_and_emulation_wins(monkeypatch):
 
 
 def test_cpu_reason_and_capability():
-    assert cublaslt_gemm.cublaslt_problem() == "needs a CUDA GPU (torch.cuda.is_available() is False)"
+    no_gpu = Capability(False, "needs a CUDA GPU (torch.cuda.is_available() is False)")
+    assert cublaslt_gemm.cublaslt_capability() == no_gpu
     assert check_backend(Fp8Config(emulate=True, gemm_kernel="cublaslt"), "cpu").ok
 
 
@@ -75,21 +77,21 @@ def test_pre_hopper_and_old_library_reasons(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
-    assert cublaslt_gemm.cublaslt_problem().startswith("needs compute capability >= 9.0 (Hopper)")
+    assert cublaslt_gemm.cublaslt_capability().reason.startswith("needs compute capability >= 9.0 (Hopper)")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
 
     class OldLibrary:
         version, path = 120800, "libcublasLt.so.12"
 
     monkeypatch.setattr(cublaslt_gemm, "_library", lambda: OldLibrary())
-    assert cublaslt_gemm.cublaslt_problem() == ("needs cuBLASLt >= 12.9 for outer-vector fp8 scaling, "
-                                                "libcublasLt.so.12 is version 120800")
+    assert cublaslt_gemm.cublaslt_capability() == Capability(
+        False, "needs cuBLASLt >= 12.9 for outer-vector fp8 scaling, libcublasLt.so.12 is version 120800")
 
     def missing():
         raise Fp8UnavailableError("cuBLASLt GEMM: libcublasLt could not be loaded (x: not found)")
 
     monkeypatch.setattr(cublaslt_gemm, "_library", missing)
-    monkeypatch.setattr(cap_mod, "scaled_mm_capability", lambda granularity, device: cap_mod.Capability(True, "ok"))
+    monkeypatch.setattr(checks_mod, "scaled_mm_capability", lambda granularity, device: Capability(True, "ok"))
     result = check_backend(Fp8Config(gemm_kernel="cublaslt"))
     assert not result.ok
     assert result.reason == ("gemm_kernel cublaslt cuBLASLt GEMM: libcublasLt could not be loaded (x: not found); "

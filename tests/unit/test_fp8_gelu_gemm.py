@@ -66,14 +66,15 @@ def test_an_all_zero_row_gets_a_finite_scale_and_zero_codes():
 
 def test_it_declines_with_reasons_and_refuses_on_cpu():
     x8, xs, xn, w8, ws, bias = _operands()
-    assert "fast accumulation" in gg.gelu_gemm_problem(x8, w8, False)
-    reason = gg.gelu_gemm_problem(x8, w8, True)
-    assert reason is not None and ("Hopper" in reason or "Triton" in reason)
+    assert "fast accumulation" in gg.gelu_gemm_capability(x8, w8, False).reason
+    capability = gg.gelu_gemm_capability(x8, w8, True)
+    assert not capability.ok and ("Hopper" in capability.reason or "Triton" in capability.reason)
     with pytest.raises(ValueError, match="gelu_gemm_rowwise: "):
         gg.gelu_gemm_rowwise(x8, xs, xn, w8, ws, bias, gg.column_bound(w8, ws, bias))
 
 
 def test_cpu_layers_keep_no_bound_and_the_mlp_does_not_ask_for_norms():
+    from qwen_edit_hopper.qwen_edit.fast.block_kernels import BlockKernels
     from qwen_edit_hopper.qwen_edit.fast.mlp import uses_gelu_gemm
 
     linear = torch.nn.Linear(64, 128).bfloat16()
@@ -83,13 +84,14 @@ def test_cpu_layers_keep_no_bound_and_the_mlp_does_not_ask_for_norms():
     mlp = torch.nn.Module()
     mlp.net = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Identity(), layer])
     mlp.net[0].proj = layer
-    assert not uses_gelu_gemm(mlp, torch.zeros(1, 2048, 64, dtype=torch.bfloat16))
+    allowed = BlockKernels(norm_quant=True, gelu_quant=True, gelu_gemm=("image", "text"))
+    assert not uses_gelu_gemm(mlp, "image", allowed)
 
 
 def test_requantizing_a_layer_refreshes_its_bound(monkeypatch):
-    """A LoRA update rewrites fp8 weights in place (``requantize_in_place``): every touched row-wise layer then
+    """A LoRA update rewrites fp8 weights in place (``write_weights``): every touched row-wise layer then
     recomputes its bound, which a captured CUDA graph reads from the same memory."""
-    from qwen_edit_hopper.qwen_edit.fp8_dit import build_fp8_dit, requantize_in_place
+    from qwen_edit_hopper.qwen_edit.fp8_dit import build_fp8_dit, write_weights
     from test_fast_qkv_fp8 import ROWWISE, build_dit
 
     base = build_dit(torch.bfloat16)
@@ -98,6 +100,7 @@ def test_requantizing_a_layer_refreshes_its_bound(monkeypatch):
     monkeypatch.setattr(ScaledMMLinear, "refresh_column_bound", lambda self: refreshed.append(self))
     changed = {"transformer_blocks.0.img_mlp.net.0.proj.weight", "transformer_blocks.0.img_mlp.net.0.proj.bias",
                "transformer_blocks.1.attn.add_k_proj.weight"}
-    assert requantize_in_place(variant, base, changed)
+    params = dict(base.named_parameters())
+    write_weights(variant, {name: params[name] for name in changed})
     blocks = variant.transformer_blocks
     assert sorted(map(id, refreshed)) == sorted({id(blocks[0].img_mlp.net[0].proj), id(blocks[1].attn.add_qkv_proj)})

@@ -1,7 +1,7 @@
 """The fused bias + GELU + row-wise fp8 quantization kernel and the MLP path that uses it (CPU).
 
 On CPU the MLP takes the plain path (the kernel needs CUDA; the reason is reported by
-``gelu_quant_problem``). The kernel's own logic (indexing, masking of the ragged row, bias, scale)
+``gelu_quant_capability``). The kernel's own logic (indexing, masking of the ragged row, bias, scale)
 runs here under Triton's interpreter in a subprocess; the interpreter truncates fp32 -> bf16 casts
 (docs/experiments/attention.md), which the reference there mirrors. The GPU check of the rounding
 itself is in tests/gpu/test_fp8_backends.py.
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qwen_edit_hopper.fp8.gelu_quant import gelu_quant_problem, gelu_quantize_rowwise, reference_gelu_quantize
+from qwen_edit_hopper.fp8.gelu_quant import gelu_quant_capability, gelu_quantize_rowwise, reference_gelu_quantize
 from qwen_edit_hopper.fp8.linear import ScaledMMLinear
 from qwen_edit_hopper.fp8.quant import dequantize, quantize_rowwise, relative_error
 from qwen_edit_hopper.qwen_edit.fast import mlp as fast_mlp
+from qwen_edit_hopper.qwen_edit.fast.block_kernels import BlockKernels
 from triton_interpreter import run_probe
 
 
@@ -26,8 +27,8 @@ def _approximate_gelu_mlp(dim: int, seed: int = 0) -> torch.nn.Module:
 
 
 def test_kernel_refuses_cpu_tensors_with_the_reason():
-    reason = gelu_quant_problem(torch.device("cpu"), 128)
-    assert reason is not None and "CUDA" in reason
+    capability = gelu_quant_capability(torch.device("cpu"), 128)
+    assert not capability.ok and "CUDA" in capability.reason
     with pytest.raises(ValueError, match="CUDA"):
         gelu_quantize_rowwise(torch.zeros(2, 128, dtype=torch.bfloat16))
 
@@ -48,12 +49,15 @@ def test_reference_equals_the_unfused_modules():
     assert relative_error(got, dequantize(w8, ws)) < 2e-2
 
 
-def test_mlp_forward_takes_the_plain_path_on_cpu_and_equals_the_module():
+def test_mlp_forward_takes_the_plain_path_for_emulated_layers_and_equals_the_module():
+    """Even where the plan allows the kernel, an emulated down-projection keeps the plain path (the kernel feeds a
+    real fp8 GEMM only)."""
     mlp = _approximate_gelu_mlp(64)
     mlp.net[2] = ScaledMMLinear.from_linear(mlp.net[2], "rowwise", emulate=True)
     x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
-    assert not fast_mlp.uses_fused_gelu_quant(mlp, x)
-    torch.testing.assert_close(fast_mlp.mlp_forward(mlp, x), mlp(x), rtol=0, atol=0)
+    for kernels in (BlockKernels(gelu_quant=True, small_m_gemm=True), BlockKernels()):
+        assert not fast_mlp.uses_fused_gelu_quant(mlp, kernels)
+        torch.testing.assert_close(fast_mlp.mlp_forward(mlp, x, kernels), mlp(x), rtol=0, atol=0)
 
 
 _INTERPRETER_PROBE = """

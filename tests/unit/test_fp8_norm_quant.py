@@ -12,18 +12,19 @@ import pytest
 import torch
 from qwen_edit_hopper.fp8.norm_quant import (
     modulate_quantize_rowwise,
-    norm_quant_problem,
+    norm_quant_capability,
     reference_modulate_quantize,
     reference_residual_modulate_quantize,
 )
 from qwen_edit_hopper.fp8.quant import dequantize, quantize_rowwise, relative_error
 from qwen_edit_hopper.qwen_edit.fast.block import _mod_params
+from qwen_edit_hopper.qwen_edit.fast.block_kernels import NO_FUSED_KERNELS
 from qwen_edit_hopper.qwen_edit.fast.prequant import modulated_input
 from triton_interpreter import run_probe
 
 
 def test_kernel_refuses_cpu_tensors_with_the_reason():
-    assert "CUDA" in norm_quant_problem(torch.device("cpu"), 64)
+    assert "CUDA" in norm_quant_capability(torch.device("cpu"), 64).reason
     with pytest.raises(ValueError, match="CUDA"):
         modulate_quantize_rowwise(torch.zeros(1, 2, 64, dtype=torch.bfloat16), 1e-6,
                                   torch.zeros(1, 6 * 64, dtype=torch.bfloat16), 6, 0, 1)
@@ -40,7 +41,8 @@ def test_reference_equals_the_block_modulation(with_selector, mod_rows):
     mod = torch.randn(mod_rows * (2 if with_selector else 1), 6 * d).bfloat16()
     params = _mod_params(mod, d, selector)
     for first in (0, 3):
-        plain = modulated_input(x, 1e-6, mod, first, first + 1, params[first], params[first + 1], selector, False)
+        plain = modulated_input(x, 1e-6, mod, first, first + 1, params[first], params[first + 1], selector, False,
+                                NO_FUSED_KERNELS)
         assert isinstance(plain, torch.Tensor) and plain.shape == (b, s, d)
         x8, scale = reference_modulate_quantize(x, 1e-6, mod, 6, first, first + 1, selector)
         assert x8.shape == (b * s, d) and scale.shape == (b * s, 1)
@@ -104,8 +106,7 @@ for b, s, d, sets, with_sel, first in ((1, 5, 200, 1, False, 0), (2, 6, 128, 1, 
     sel = (torch.arange(s) % 3 != 1) if with_sel else None
     for per_program in (0, 1, 4):
         x8, scale, norms = nq._modulate_quantize_op(x.reshape(-1, d), s, 1e-6, mod, 6, first, first + 1,
-                                                    None if sel is None else sel.to(torch.uint8), 2, True, per_program,
-                                                    True)
+                                                    None if sel is None else sel.to(torch.uint8), 2, per_program, True)
         r8, rs = truncating_reference(x, 1e-6, mod, first, sel)
         rows.append(dict(case=[b, s, d, sets, with_sel, first, per_program],
                          norms_bound=norms_bound(norms, x8, scale),
@@ -122,7 +123,7 @@ for b, s, d, sets, with_sel, with_bias in ((2, 6, 128, 1, False, True), (2, 9, 9
     for per_program in (0, 1, 2):
         new, x8, scale, norms = nq._residual_modulate_quantize_op(x.reshape(-1, d), y, bias, s, 1e-6, mod, 6, 2, 3,
                                                                   4, None if sel is None else sel.to(torch.uint8), 2,
-                                                                  True, per_program, per_program == 1)
+                                                                  per_program, per_program == 1)
         assert norms.shape == ((b * s, 1) if per_program == 1 else (0, 1))
         rows_ = nq._modulation_rows(b * s, s, sets, sel, x.device)
         gate = mod.unflatten(-1, (6, d))[rows_][:, 2].float()

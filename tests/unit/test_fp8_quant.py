@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from qwen_edit_hopper.fp8.linear import ScaledMMLinear, WeightOnlyLinear, scaled_mm_shape_problem
+from qwen_edit_hopper.fp8.capability import Capability
+from qwen_edit_hopper.fp8.linear import ScaledMMLinear, WeightOnlyLinear, scaled_mm_shape_capability
 from qwen_edit_hopper.fp8.quant import (
     E4M3_MAX,
     EPS,
@@ -142,10 +143,10 @@ def test_odd_token_counts_are_padded_and_unpadded(tokens):
 
 
 def test_k_or_n_not_divisible_by_16_is_refused_with_the_layer_name():
-    assert scaled_mm_shape_problem(64, 48) is None
-    assert scaled_mm_shape_problem(24, 48) == (
-        "K=24 not divisible by 16 (torch._scaled_mm needs K and N divisible by 16)")
-    assert "K=24 and N=40" in scaled_mm_shape_problem(24, 40)
+    assert scaled_mm_shape_capability(64, 48).ok
+    assert scaled_mm_shape_capability(24, 48) == Capability(
+        False, "K=24 not divisible by 16 (torch._scaled_mm needs K and N divisible by 16)")
+    assert "K=24 and N=40" in scaled_mm_shape_capability(24, 40).reason
     with pytest.raises(ValueError, match=r"blocks\.3\.odd: N=40 not divisible by 16"):
         ScaledMMLinear.from_linear(nn.Linear(64, 40), "rowwise", emulate=True, layer_name="blocks.3.odd")
 

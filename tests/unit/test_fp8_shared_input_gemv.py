@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from qwen_edit_hopper.fp8.capability import Capability
 from qwen_edit_hopper.fp8.linear import ScaledMMLinear, WeightOnlyLinear
 from qwen_edit_hopper.fp8.shared_input_gemv import (
     DOT_CONFIG,
@@ -15,7 +16,7 @@ from qwen_edit_hopper.fp8.shared_input_gemv import (
     SharedInputLinears,
     default_config,
     reference_shared_input,
-    shared_input_problem,
+    shared_input_capability,
 )
 from triton_interpreter import run_probe
 
@@ -35,16 +36,16 @@ def _linears(count=3, k=256, n=96, bias=True, seed=0):
 
 def test_refusals_name_the_reason():
     rowwise = [ScaledMMLinear.from_linear(lin, "rowwise") for lin in _linears()]
-    assert "CUDA" in shared_input_problem(rowwise)
+    assert "CUDA" in shared_input_capability(rowwise).reason
     with pytest.raises(ValueError, match="CUDA"):
         SharedInputLinears(rowwise)
     mixed = [*rowwise[:2], WeightOnlyLinear.from_linear(_linears(1)[0])]
-    assert "all be row-wise" in shared_input_problem(mixed)
-    assert "divisible by 256" in shared_input_problem([ScaledMMLinear.from_linear(lin, "rowwise")
-                                                       for lin in _linears(k=128)])  # fmt: skip
+    assert "all be row-wise" in shared_input_capability(mixed).reason
+    assert "divisible by 256" in shared_input_capability([ScaledMMLinear.from_linear(lin, "rowwise")
+                                                       for lin in _linears(k=128)]).reason  # fmt: skip
     emulated = [ScaledMMLinear.from_linear(lin, "rowwise", emulate=True) for lin in _linears()]
-    assert "not emulated" in shared_input_problem(emulated)
-    assert shared_input_problem([]) == "no layers"
+    assert "not emulated" in shared_input_capability(emulated).reason
+    assert shared_input_capability([]) == Capability(False, "no layers")
 
 
 @pytest.mark.parametrize("rows", [1, 2])
@@ -66,6 +67,7 @@ def test_reference_is_what_the_layers_compute(rows):
 
 _PROBE = """
 import json, torch
+from qwen_edit_hopper.fp8.capability import Capability
 from qwen_edit_hopper.fp8.linear import ScaledMMLinear, WeightOnlyLinear
 from qwen_edit_hopper.fp8.shared_input_gemv import SharedInputLinears, reference_shared_input
 

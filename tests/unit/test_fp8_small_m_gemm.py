@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qwen_edit_hopper.fp8 import small_m_gemm
 from qwen_edit_hopper.fp8.linear import ScaledMMLinear
 from qwen_edit_hopper.fp8.small_m_gemm import CONFIGS, MAX_ROWS, MIN_ROWS, config_for_shape, small_m_config
 from triton_interpreter import run_probe
@@ -36,14 +35,27 @@ def test_other_calls_keep_cublas(m, k, n, capability):
     assert config_for_shape(m, k, n, capability) is None
 
 
-def test_cpu_tensors_unfused_accumulation_and_the_switch_keep_cublas(monkeypatch):
+def test_cpu_tensors_and_unfused_accumulation_keep_cublas():
     x8 = torch.zeros(300, 3072, dtype=torch.float8_e4m3fn)
     w8 = torch.zeros(9216, 3072, dtype=torch.float8_e4m3fn)
     scale = torch.ones(300, 1)
     assert small_m_config(x8, w8, scale, torch.bfloat16, fast_accum=True) is None  # not CUDA
     assert small_m_config(x8, w8, scale, torch.bfloat16, fast_accum=False) is None
-    monkeypatch.setattr(small_m_gemm, "ENABLED", False)
-    assert small_m_config(x8, w8, scale, torch.bfloat16, fast_accum=True) is None
+
+
+def test_a_gemm_asked_for_cublas_never_asks_for_a_config(monkeypatch):
+    """``ScaledMMLinear.gemm(..., small_m=False)`` (the fast forward's ``small_m_gemm`` option off) does not
+    consult :func:`small_m_config` at all."""
+    asked, ran = [], []
+    monkeypatch.setattr("qwen_edit_hopper.fp8.linear.small_m_config", lambda *a: asked.append(1))
+    monkeypatch.setattr("qwen_edit_hopper.fp8.linear.scaled_mm", lambda *a: ran.append(1))
+    layer = ScaledMMLinear.from_linear(torch.nn.Linear(64, 64).to(torch.bfloat16), "rowwise", emulate=False,
+                                       fast_accum=True)
+    x8, scale = layer.quantize_input(torch.randn(20, 64, dtype=torch.bfloat16))
+    layer.gemm(x8, scale, torch.bfloat16, small_m=False)
+    assert asked == [] and ran == [1]
+    layer.gemm(x8, scale, torch.bfloat16)
+    assert asked == [1] and ran == [1, 1]
 
 
 def test_emulated_layers_never_reach_the_kernel(monkeypatch):
@@ -79,22 +91,12 @@ for m, row_stride, expanded_scale in [(20, k, False), (70, k, False), (70, 2 * k
                                        ws.reshape(n, 1).contiguous(), 64, 128, 128, 4, 3)
     swapped_err = ((swapped.float() - want).norm() / want.norm()).item()
     results.append([m, row_stride, expanded_scale, list(got.shape), str(got.dtype), err, swapped_err])
-split = None
-if True:  # the K split: float32 partials [2, M, N] whose sum is the product; through the public call, bf16
-    x8, xs = quantize_rowwise(torch.randn(40, k, generator=g).bfloat16())
-    want = (x8.float() @ w8.float().t()) * xs * ws.reshape(1, n)
-    parts = smg._fp8_gemm_small_m_op(x8, xs, w8, ws.reshape(n, 1).contiguous(), 64, 128, 64, 4, 3, 2)
-    summed = smg.fp8_gemm_small_m(x8, xs, w8, ws, (64, 128, 64, 4, 3, 2))
-    half = (x8[:, :128].float() @ w8[:, :128].float().t()) * xs * ws.reshape(1, n)
-    split = [list(parts.shape), str(parts.dtype), ((parts.sum(0) - want).norm() / want.norm()).item(),
-             ((parts[0] - half).norm() / half.norm()).item(), str(summed.dtype),
-             ((summed.float() - want).norm() / want.norm()).item()]
 refusal = None
 try:
     smg.fp8_gemm_small_m(x8, xs, torch.zeros(200, k, dtype=w8.dtype), torch.ones(200, 1), (64, 128, 128, 4, 3))
 except ValueError as exc:
     refusal = str(exc)
-print(json.dumps({"results": results, "split": split, "refusal": refusal}))
+print(json.dumps({"results": results, "refusal": refusal}))
 """
 
 
@@ -106,14 +108,3 @@ def test_kernel_under_the_interpreter_matches_the_float32_reference():
         assert err < 5e-3, (m, row_stride, expanded, err)
         assert swapped_err > 0.1, "the row scales are not applied per row"
     assert "do not fit tiles of 128 columns" in probe["refusal"]
-    shape, dtype, sum_err, first_half_err, summed_dtype, summed_err = probe["split"]
-    assert shape == [2, 40, 256] and dtype == "torch.float32"
-    assert sum_err < 1e-5 and first_half_err < 1e-5, "split 0 must hold exactly the first half of K"
-    assert summed_dtype == "torch.bfloat16" and summed_err < 5e-3
-
-
-def test_split_k_configs_are_taken_only_while_switched_on(monkeypatch):
-    assert config_for_shape(300, 12288, 3072, HOPPER) is None  # the down-projection keeps cuBLASLt
-    monkeypatch.setattr(small_m_gemm, "SPLIT_K", True)
-    assert config_for_shape(300, 12288, 3072, HOPPER) == small_m_gemm.SPLIT_K_CONFIGS[(12288, 3072)]
-    assert config_for_shape(300, 3072, 9216, HOPPER) == CONFIGS[(3072, 9216)]  # unsplit shapes unchanged

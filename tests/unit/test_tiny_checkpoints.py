@@ -57,6 +57,7 @@ def test_comfy_layout_mirrors_real_file_names(tmp_path_factory):
     names = set(_digest(result["root"]))
     assert names == {
         "diffusion_models/qwen_image_edit_2509_bf16.safetensors",
+        "diffusion_models/qwen_image_edit_2509_fp8_e4m3fn.safetensors",
         "text_encoders/qwen_2.5_vl_7b.safetensors",
         "text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors",
         "vae/qwen_image_vae.safetensors",

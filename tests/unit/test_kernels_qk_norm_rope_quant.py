@@ -1,4 +1,4 @@
-"""The fused QK RMSNorm + RoPE + e4m3 kernel (fp8/qk_norm_quant.py) and its reference, on CPU.
+"""The fused QK RMSNorm + RoPE + e4m3 kernel (qwen_edit/kernels/qk_norm_rope_quant.py) and its reference, on CPU.
 
 The reference is checked against the block's own path (``qk_norm_rope`` + ``quantize_with_bound``); the
 kernel runs under Triton's interpreter in a subprocess against a reference with the interpreter's
@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from qwen_edit_hopper.fp8.attention.cudnn_fp8 import quantize_with_bound, rms_norm_bound
-from qwen_edit_hopper.fp8.qk_norm_quant import (
-    qk_norm_quant_problem,
+from qwen_edit_hopper.qwen_edit.fast.rope import qk_norm_rope
+from qwen_edit_hopper.qwen_edit.kernels.qk_norm_rope_quant import (
+    qk_norm_rope_quant_capability,
     qk_norm_rope_quantize,
     reference_qk_norm_rope_quantize,
 )
-from qwen_edit_hopper.qwen_edit.fast.block import qk_norm_rope
 from triton_interpreter import run_probe
 
 
@@ -30,7 +30,7 @@ def _streams(b=2, si=12, st=5, h=4, d=32, seed=0):
 
 
 def test_refuses_cpu_tensors_with_the_reason():
-    assert "CUDA" in qk_norm_quant_problem(torch.device("cpu"), 128)
+    assert "CUDA" in qk_norm_rope_quant_capability(torch.device("cpu"), 128).reason
     x_img, x_txt, w_img, w_txt, cos, sin = _streams()
     with pytest.raises(ValueError, match="CUDA"):
         qk_norm_rope_quantize(x_img, x_txt, w_img, w_txt, 1e-6, 1e-6, cos, sin, torch.tensor(50.0))
@@ -56,7 +56,7 @@ def test_reference_is_the_block_path():
 
 _INTERPRETER_PROBE = """
 import json, torch
-from qwen_edit_hopper.fp8 import qk_norm_quant as qq
+from qwen_edit_hopper.qwen_edit.kernels import qk_norm_rope_quant as qq
 from qwen_edit_hopper.fp8.attention.cudnn_fp8 import rms_norm_bound
 
 def truncate_bf16(x):  # the interpreter's fp32 -> bf16 cast
@@ -108,7 +108,7 @@ print(json.dumps(rows))
 
 @pytest.mark.slow
 def test_kernel_matches_the_reference_under_the_interpreter():
-    rows = run_probe(_INTERPRETER_PROBE, ("qwen_edit_hopper.fp8.qk_norm_quant",))
+    rows = run_probe(_INTERPRETER_PROBE, ("qwen_edit_hopper.qwen_edit.kernels.qk_norm_rope_quant",))
     assert len(rows) == 6 and {row["bound"] for row in rows} == {"given", "weights"}
     for row in rows:
         b, si, st, h, d, _ = row["case"]

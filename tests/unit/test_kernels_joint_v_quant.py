@@ -1,4 +1,5 @@
-"""The fused v bias + concatenation + per-tensor e4m3 kernels (fp8/v_quant.py) and their reference, on CPU.
+"""The fused v bias + concatenation + per-tensor e4m3 kernels (qwen_edit/kernels/joint_v_quant.py) and their
+reference, on CPU.
 
 The reference is checked against the block's former torch path (bias add, ``torch.cat``,
 ``quantize_per_tensor``); the kernels run under Triton's interpreter in a subprocess against a reference
@@ -10,7 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 from qwen_edit_hopper.fp8.attention.cudnn_fp8 import quantize_per_tensor
-from qwen_edit_hopper.fp8.v_quant import joint_v_quantize, reference_joint_v_quantize, v_quant_problem
+from qwen_edit_hopper.qwen_edit.kernels.joint_v_quant import (
+    joint_v_quant_capability,
+    joint_v_quantize,
+    reference_joint_v_quantize,
+)
 from triton_interpreter import run_probe
 
 
@@ -23,8 +28,8 @@ def _streams(b=2, si=12, st=5, h=4, d=32, seed=0):
 
 
 def test_refuses_cpu_tensors_with_the_reason():
-    assert "CUDA" in v_quant_problem(torch.device("cpu"), 128)
-    assert "v quantize" in v_quant_problem(torch.device("cpu"), 128)
+    capability = joint_v_quant_capability(torch.device("cpu"), 128)
+    assert not capability.ok and "CUDA" in capability.reason
     v_img, v_txt, _, _ = _streams()
     with pytest.raises(ValueError, match="CUDA"):
         joint_v_quantize(v_img, v_txt)
@@ -44,7 +49,7 @@ def test_reference_is_the_block_path():
 
 _INTERPRETER_PROBE = """
 import json, torch
-from qwen_edit_hopper.fp8 import v_quant as vq
+from qwen_edit_hopper.qwen_edit.kernels import joint_v_quant as vq
 
 def truncate_bf16(x):  # the interpreter's fp32 -> bf16 cast
     return (x.float().view(torch.int32) & -65536).view(torch.float32)
@@ -78,7 +83,7 @@ print(json.dumps(rows))
 
 @pytest.mark.slow
 def test_kernels_match_the_reference_under_the_interpreter():
-    rows = run_probe(_INTERPRETER_PROBE, ("qwen_edit_hopper.fp8.v_quant",))
+    rows = run_probe(_INTERPRETER_PROBE, ("qwen_edit_hopper.qwen_edit.kernels.joint_v_quant",))
     assert len(rows) == 3
     for row in rows:
         b, si, st, h, d, _ = row["case"]
@@ -93,8 +98,8 @@ def test_kernels_match_the_reference_under_the_interpreter():
 
 
 def test_stream_biases_fill_a_missing_one_with_zeros():
-    """What the q / k / v kernels receive as biases (fp8.qk_norm_quant.stream_biases)."""
-    from qwen_edit_hopper.fp8.qk_norm_quant import stream_biases
+    """What the q / k / v kernels receive as biases (qwen_edit.kernels.qk_norm_rope_quant.stream_biases)."""
+    from qwen_edit_hopper.qwen_edit.kernels.qk_norm_rope_quant import stream_biases
 
     v_img, _, b_img, b_txt = _streams()
     assert stream_biases(None, None, v_img) == (None, None)

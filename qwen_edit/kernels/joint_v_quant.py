@@ -20,7 +20,7 @@ v_txt + b_txt], 1))``: the bias added in bf16, amax of the bf16 values (clamped 
 amax)`` in float32 (IEEE division), clamped to +-448, rounded to nearest even e4m3.
 
 Limits: CUDA tensors, bf16 inputs whose last dim is contiguous, H divisible by a head group of 8, 4, 2 or
-1, Dh a power of two. Callers check :func:`v_quant_problem`. Registered as the custom op
+1, Dh a power of two. Callers check :func:`joint_v_quant_capability`. Registered as the custom op
 ``qwen_edit_hopper::joint_v_quantize`` (``torch.library.triton_op``), so compiled blocks keep it.
 """
 
@@ -30,11 +30,19 @@ from typing import NamedTuple
 
 import torch
 
-from .qk_norm_quant import _head_group, qk_norm_quant_problem, stream_biases
-from .quant import E4M3_MAX, FP8_DTYPE
+from ...fp8.capability import Capability
+from ...fp8.quant import E4M3_MAX, FP8_DTYPE
+from .qk_norm_rope_quant import _head_group, qk_norm_rope_quant_capability, stream_biases
 
-__all__ = ["AMAX_FLOOR", "OP_NAME", "JointV", "joint_v_quantize", "joint_v_quantize_scales",
-           "reference_joint_v_quantize", "v_quant_problem"]
+__all__ = [
+    "AMAX_FLOOR",
+    "OP_NAME",
+    "JointV",
+    "joint_v_quant_capability",
+    "joint_v_quantize",
+    "joint_v_quantize_scales",
+    "reference_joint_v_quantize",
+]
 
 OP_NAME = "qwen_edit_hopper::joint_v_quantize"
 
@@ -48,14 +56,16 @@ try:
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
-except ImportError:  # pragma: no cover - depends on the torch build; v_quant_problem reports it
+except ImportError:  # pragma: no cover - depends on the torch build; joint_v_quant_capability reports it
     triton = None
 
 
-def v_quant_problem(device: torch.device, head_dim: int) -> str | None:
-    """Why the kernels cannot run for heads of ``head_dim`` on ``device``, or None when they can."""
-    problem = qk_norm_quant_problem(device, head_dim)
-    return None if problem is None else problem.replace("QK norm + RoPE + quantize", "v quantize")
+def joint_v_quant_capability(device: torch.device, head_dim: int) -> Capability:
+    """Whether the kernels can run for heads of ``head_dim`` on ``device`` (those of the QK kernel)."""
+    capability = qk_norm_rope_quant_capability(device, head_dim)
+    if not capability.ok:
+        return capability
+    return Capability.yes(f"Triton joint v max + cast kernels on {device}")
 
 
 def _with_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -68,7 +78,7 @@ def reference_joint_v_quantize(v_img: torch.Tensor, v_txt: torch.Tensor, b_img: 
 
     Returns (v8 (B, S_img + S_txt, H, Dh) float8_e4m3fn, descale (1, 1, 1, 1) float32 = amax / 448).
     """
-    from .attention.cudnn_fp8 import quantize_per_tensor
+    from ...fp8.attention.cudnn_fp8 import quantize_per_tensor
 
     return quantize_per_tensor(torch.cat([_with_bias(v_img, b_img), _with_bias(v_txt, b_txt)], dim=1))
 
@@ -87,7 +97,7 @@ class JointV(NamedTuple):
 
 
 if triton is not None:
-    from .attention.triton_fp8 import _to_e4m3, interpreter_active
+    from ...fp8.attention.triton_fp8 import _to_e4m3, interpreter_active
 
     _E4M3_MAX = tl.constexpr(E4M3_MAX)
     _INV_E4M3_MAX = tl.constexpr(1.0 / E4M3_MAX)
@@ -195,9 +205,9 @@ def joint_v_quantize_scales(v_img: torch.Tensor, v_txt: torch.Tensor, b_img: tor
     """:func:`joint_v_quantize` with the scalars the block needs next, all written by the cast kernel
     (:class:`JointV`). Same inputs and checks."""
     b, _, h, d = v_img.shape
-    problem = v_quant_problem(v_img.device, d)
-    if problem is not None:
-        raise ValueError(problem)
+    capability = joint_v_quant_capability(v_img.device, d)
+    if not capability.ok:
+        raise ValueError(capability.reason)
     if (v_img.dtype != torch.bfloat16 or v_txt.dtype != torch.bfloat16 or v_img.stride(-1) != 1
             or v_txt.stride(-1) != 1 or v_txt.shape[0] != b or tuple(v_txt.shape[2:]) != (h, d)):
         raise ValueError(f"joint_v_quantize takes bf16 (B, S, H, Dh) inputs with a contiguous last dim and equal B, H, "

@@ -9,17 +9,16 @@ does this in three kernels (statistics, the pointwise rest, the text stream) at 
 H200 about 13 ms of a 208 ms forward for q and k together (docs/benchmarks.md). This kernel reads each
 element once and writes one byte: one program per token, its heads in chunks of up to 8 (the chunks' loads
 are independent), every reduction inside a warp. An earlier layout, one program per (token, 8 heads), took
-40.7 us per call at the DiT's shape on an H200 against 28.3 us for this one, with identical codes
-(bench/qk_rows_bench.py, docs/benchmarks.md, fifteenth session): its bound reduction and cos / sin broadcast
-went through shared memory with barriers, for each 1024 elements.
+40.7 us per call at the DiT's shape on an H200 against 28.3 us for this one, with identical codes: its bound
+reduction and cos / sin broadcast went through shared memory with barriers, for each 1024 elements.
 
-Numerics: those of ``qwen_edit.fast.block.qk_norm_rope`` (compiled path) followed by
+Numerics: those of ``qwen_edit.fast.rope.qk_norm_rope`` (compiled path) followed by
 ``fp8.attention.cudnn_fp8.quantize_with_bound``: RMS in float32, normalized value rounded to bf16, times
 the weight rounded to bf16, rotation in float32 rounded to bf16, then ``x * (448 / bound)`` clamped and
 rounded to nearest even e4m3.
 
 Limits: CUDA tensors, bf16 inputs whose last dim is contiguous, Dh a power of two (the pair split), H
-divisible by the head group (8, 4, 2 or 1). Callers check :func:`qk_norm_quant_problem`.
+divisible by the head group (8, 4, 2 or 1). Callers check :func:`qk_norm_rope_quant_capability`.
 """
 
 from __future__ import annotations
@@ -28,12 +27,13 @@ import functools
 
 import torch
 
-from .gelu_quant import gelu_quant_problem
-from .quant import E4M3_MAX, FP8_DTYPE
+from ...fp8.capability import Capability
+from ...fp8.gelu_quant import gelu_quant_capability
+from ...fp8.quant import E4M3_MAX, FP8_DTYPE
 
 __all__ = [
     "OP_NAME",
-    "qk_norm_quant_problem",
+    "qk_norm_rope_quant_capability",
     "qk_norm_rope_quantize",
     "qk_norm_rope_quantize_scaled",
     "reference_qk_norm_rope_quantize",
@@ -46,7 +46,7 @@ try:
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
-except ImportError:  # pragma: no cover - depends on the torch build; gelu_quant_problem reports it
+except ImportError:  # pragma: no cover - depends on the torch build; gelu_quant_capability reports it
     triton = None
 
 
@@ -54,14 +54,14 @@ def _head_group(heads: int) -> int:
     return next(g for g in (8, 4, 2, 1) if heads % g == 0)
 
 
-def qk_norm_quant_problem(device: torch.device, head_dim: int) -> str | None:
-    """Why the kernel cannot run for heads of ``head_dim`` on ``device``, or None when it can."""
-    problem = gelu_quant_problem(device, head_dim)
-    if problem is not None:
-        return problem.replace("fused GELU + quantize kernel", "fused QK norm + RoPE + quantize kernel")
+def qk_norm_rope_quant_capability(device: torch.device, head_dim: int) -> Capability:
+    """Whether the kernel can run for heads of ``head_dim`` on ``device`` (CUDA, Triton, Dh a power of two)."""
+    capability = gelu_quant_capability(device, head_dim)
+    if not capability.ok:
+        return capability
     if head_dim < 2 or head_dim & (head_dim - 1):
-        return f"head dim {head_dim} is not a power of two"
-    return None
+        return Capability.no(f"head dim {head_dim} is not a power of two")
+    return Capability.yes(f"Triton QK norm + RoPE + quantize kernel on {device}")
 
 
 def stream_biases(b_img: torch.Tensor | None, b_txt: torch.Tensor | None, like: torch.Tensor
@@ -79,7 +79,7 @@ def stream_biases(b_img: torch.Tensor | None, b_txt: torch.Tensor | None, like: 
 def reference_qk_norm_rope_quantize(x_img, x_txt, w_img, w_txt, eps_img, eps_txt, cos, sin, bound, b_img=None,
                                     b_txt=None):
     """What the kernel computes, in plain torch (any device): the block's eager math, then the e4m3 cast."""
-    from .attention.cudnn_fp8 import quantize_with_bound
+    from ...fp8.attention.cudnn_fp8 import quantize_with_bound
 
     def stream(x, w, eps, c, s, bias):
         if bias is not None:
@@ -99,7 +99,7 @@ def reference_qk_norm_rope_quantize(x_img, x_txt, w_img, w_txt, eps_img, eps_txt
 
 
 if triton is not None:
-    from .attention.triton_fp8 import _to_e4m3, interpreter_active
+    from ...fp8.attention.triton_fp8 import _to_e4m3, interpreter_active
 
     _E4M3_MAX = tl.constexpr(E4M3_MAX)
     _INV_E4M3_MAX = tl.constexpr(float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)))
@@ -205,7 +205,7 @@ if triton is not None:
 @functools.cache
 def _bound_factor(head_dim: int) -> float:
     """:func:`...attention.cudnn_fp8.rms_norm_bound`'s factor, rounded to float32 as torch multiplies by it."""
-    from .attention.cudnn_fp8 import rms_norm_bound
+    from ...fp8.attention.cudnn_fp8 import rms_norm_bound
 
     return float(torch.tensor(rms_norm_bound(None, head_dim), dtype=torch.float32))
 
@@ -238,9 +238,9 @@ def qk_norm_rope_quantize_scaled(x_img: torch.Tensor, x_txt: torch.Tensor, w_img
 
 def _checked_call(x_img, x_txt, w_img, w_txt, eps_img, eps_txt, cos, sin, bound, b_img, b_txt):
     d = x_img.shape[-1]
-    problem = qk_norm_quant_problem(x_img.device, d)
-    if problem is not None:
-        raise ValueError(problem)
+    capability = qk_norm_rope_quant_capability(x_img.device, d)
+    if not capability.ok:
+        raise ValueError(capability.reason)
     if x_img.dtype != torch.bfloat16 or x_txt.dtype != torch.bfloat16 or x_img.stride(-1) != 1 or x_txt.stride(-1) != 1:
         raise ValueError(f"qk_norm_rope_quantize takes bf16 (B, S, H, Dh) inputs with a contiguous last dim, got "
                          f"{x_img.dtype} strides {x_img.stride()} and {x_txt.dtype} strides {x_txt.stride()}")

@@ -1,34 +1,33 @@
 """The image stream's v projection written straight into FP8 attention's joint e4m3 v, scale from a bound (Triton).
 
 cuDNN's FP8 attention takes v as one per-tensor-scaled e4m3 tensor over the joint sequence ``[image; text]``. The
-shipped alternative (:mod:`.v_quant`) has the v GEMM write bf16 (50 MB per block at 8192 tokens), then reads it
+shipped alternative (:mod:`.joint_v_quant`) has the v GEMM write bf16 (50 MB per block at 8192 tokens), then reads it
 twice: a max pass for the scale and a cast into the joint sequence. Here the scale is known before the GEMM:
 
 * by Cauchy-Schwarz, ``|v[t, j]| <= ||x[t]|| * ||W[j]|| + |b[j]|`` for each stream (x, W dequantized);
 * so ``bound = max over both streams of (max_t ||x[t]|| * max_j ||W[j]|| + max_j |b[j]|) * BOUND_MARGIN``.
 
 The row norms (upper bounds of them) come from the LayerNorm kernels that quantized each stream's input
-(:mod:`.norm_quant`, ``with_norms``); the weight side from each layer's ``column_bound``
-(:func:`.gelu_gemm.column_bound`; for the text stream's fused Q/K/V layer it covers all three projections, a looser
-but valid bound). e4m3 is a float format: a
-loose scale only moves the codes down the exponent range (about 14x, 4 of 15 binades, on Gaussian data:
-bench/fused_qkv_gemm_bench.py).
+(:mod:`...fp8.norm_quant`, ``with_norms``); the weight side from each layer's ``column_bound``
+(:func:`...fp8.gelu_gemm.column_bound`; for the text stream's fused Q/K/V layer it covers all three projections, a
+looser but valid bound). e4m3 is a float format: a loose scale only moves the codes down the exponent range
+(about 14x, 4 of 15 binades, measured on Gaussian data).
 
 Two kernels, in this order on one stream:
 
-1. the GEMM (persistent, TMA, the tiles of :data:`.gelu_gemm.CONFIG`): every program takes the max of both streams'
-   norms (8192 + 300 floats, from L2), forms the bound, and stores e4m3 ``(acc * x_scale * w_scale + b) * 448 /
-   bound`` into the joint sequence at row ``b * S_joint + t``; program 0 writes the descale (``bound / 448``) and
-   cuDNN's output scale (``448 / bound``), the first column block's tiles the image rows' scales for the output
-   projection;
+1. the GEMM (persistent, TMA, the tiles of :data:`...fp8.gelu_gemm.CONFIG`): every program takes the max of both
+   streams' norms (8192 + 300 floats, from L2), forms the bound, and stores e4m3
+   ``(acc * x_scale * w_scale + b) * 448 / bound`` into the joint sequence at row ``b * S_joint + t``; program 0
+   writes the descale (``bound / 448``) and cuDNN's output scale (``448 / bound``), the first column block's tiles
+   the image rows' scales for the output projection;
 2. the text rows: bias + the same scale + the cast, one program per text token, and the text rows' scales.
 
 Numerics: the product, scales and bias in float32 (the shipped path rounds the GEMM output and the bias sum to
 bf16 first), one rounding to e4m3 (nearest even, saturating, though the bound keeps every value inside).
 
-Limits: those of :func:`.gelu_gemm.gelu_gemm_problem`, plus: image tokens per sample a multiple of the tile's 128
-rows (a tile never spans two samples; 1024x1024 gives 8192), and the text stream's v (B, L, H, Dh) bf16 with rows
-of H * Dh contiguous values. Callers check :func:`joint_v_gemm_problem`. Registered as the custom op
+Limits: those of :func:`...fp8.gelu_gemm.gelu_gemm_capability`, plus: image tokens per sample a multiple of the
+tile's 128 rows (a tile never spans two samples; 1024x1024 gives 8192), and the text stream's v (B, L, H, Dh) bf16
+with rows of H * Dh contiguous values. Callers check :func:`joint_v_gemm_capability`. Registered as the custom op
 ``qwen_edit_hopper::joint_v_gemm`` (``torch.library.custom_op``).
 """
 
@@ -36,11 +35,12 @@ from __future__ import annotations
 
 import torch
 
-from .gelu_gemm import _TRITON_MISSING, BOUND_MARGIN, CONFIG, gelu_gemm_problem
-from .quant import E4M3_MAX, FP8_DTYPE
-from .v_quant import JointV
+from ...fp8.capability import Capability
+from ...fp8.gelu_gemm import _TRITON_MISSING, BOUND_MARGIN, CONFIG, gelu_gemm_capability
+from ...fp8.quant import E4M3_MAX, FP8_DTYPE
+from .joint_v_quant import JointV
 
-__all__ = ["MIN_IMAGE_ROWS", "OP_NAME", "joint_v_gemm", "joint_v_gemm_problem", "reference_joint_v_gemm"]
+__all__ = ["MIN_IMAGE_ROWS", "OP_NAME", "joint_v_gemm", "joint_v_gemm_capability", "reference_joint_v_gemm"]
 
 OP_NAME = "qwen_edit_hopper::joint_v_gemm"
 
@@ -63,7 +63,7 @@ if _TRITON_MISSING is None:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .gelu_gemm import _scaled_tile
+    from ...fp8.gelu_gemm import _scaled_tile
 
 
 def v_scale_bound(norms_img: torch.Tensor, col_bound_img: torch.Tensor, norms_txt: torch.Tensor,
@@ -97,21 +97,21 @@ def reference_joint_v_gemm(x8: torch.Tensor, x_scale: torch.Tensor, norms_img: t
                   descale.reshape(1, 1).expand(b * length, 1))
 
 
-def joint_v_gemm_problem(x8: torch.Tensor, w8: torch.Tensor, fast_accum: bool, image_tokens: int,
-                         v_txt: torch.Tensor) -> str | None:
-    """Why :func:`joint_v_gemm` cannot run for these operands, or None when it can."""
-    problem = gelu_gemm_problem(x8, w8, fast_accum)
-    if problem is not None:
-        return problem
+def joint_v_gemm_capability(x8: torch.Tensor, w8: torch.Tensor, fast_accum: bool, image_tokens: int,
+                            v_txt: torch.Tensor) -> Capability:
+    """Whether :func:`joint_v_gemm` can run for these operands (those of the fused GELU GEMM, whole 128-row tiles
+    per sample, the text v's layout)."""
+    capability = gelu_gemm_capability(x8, w8, fast_accum)
+    if not capability.ok:
+        return capability
     if image_tokens % CONFIG[0]:
-        return f"{image_tokens} image tokens per sample: not a multiple of the {CONFIG[0]}-row tiles"
+        return Capability.no(f"{image_tokens} image tokens per sample: not a multiple of the {CONFIG[0]}-row tiles")
     if v_txt.dtype != torch.bfloat16 or v_txt.dim() != 4 or v_txt.shape[2] * v_txt.shape[3] != w8.shape[0]:
-        return f"the text stream's v must be (B, L, H, Dh) bf16 with H * Dh = {w8.shape[0]}, got {v_txt.dtype} " \
-               f"{tuple(v_txt.shape)}"
+        return Capability.no(f"the text stream's v must be (B, L, H, Dh) bf16 with H * Dh = {w8.shape[0]}, got "
+                             f"{v_txt.dtype} {tuple(v_txt.shape)}")
     if v_txt.stride(3) != 1 or v_txt.stride(2) != v_txt.shape[3]:
-        return "the text stream's v needs rows of H * Dh contiguous values"
-    return None
-
+        return Capability.no("the text stream's v needs rows of H * Dh contiguous values")
+    return Capability.yes("Triton joint v GEMM with TMA on Hopper")
 
 if _TRITON_MISSING is None:
 
@@ -212,17 +212,18 @@ def joint_v_gemm(x8: torch.Tensor, x_scale: torch.Tensor, norms_img: torch.Tenso
 
     x8: (B * S_img, K) e4m3 image-stream input, x_scale / norms_img: (B * S_img, 1) float32 its row scales and row
     norms; w8: (N, K) e4m3 v weight, w_scale: (N, 1) float32, bias: (N,) or None, col_bound_img: its
-    :func:`.gelu_gemm.column_bound`; v_txt: (B, L, H, Dh) bf16 text-stream v without its bias, b_txt: (H, Dh) or
+    :func:`...fp8.gelu_gemm.column_bound`; v_txt: (B, L, H, Dh) bf16 text-stream v without its bias, b_txt: (H, Dh) or
     (N,) or None, norms_txt: (B * L, 1) float32 the text input's row norms, col_bound_txt: the text v layer's column
-    bound. Returns :class:`.v_quant.JointV` (v8 (B, S_img + L, H, Dh) e4m3, descale, cuDNN's output scale, the image
-    and text rows' scales). Raises ValueError naming the reason where it cannot run (:func:`joint_v_gemm_problem`).
+    bound. Returns :class:`.joint_v_quant.JointV` (v8 (B, S_img + L, H, Dh) e4m3, descale, cuDNN's output scale, the
+    image and text rows' scales). Raises ValueError naming the reason where it cannot run
+    (:func:`joint_v_gemm_capability`).
     """
     b = v_txt.shape[0]
-    problem = joint_v_gemm_problem(x8, w8, True, x8.shape[0] // max(b, 1), v_txt)
-    if problem is None and x8.shape[0] % b:
-        problem = f"{x8.shape[0]} image rows do not split into {b} samples"
-    if problem is not None:
-        raise ValueError(f"joint_v_gemm: {problem}")
+    capability = joint_v_gemm_capability(x8, w8, True, x8.shape[0] // max(b, 1), v_txt)
+    if capability.ok and x8.shape[0] % b:
+        capability = Capability.no(f"{x8.shape[0]} image rows do not split into {b} samples")
+    if not capability.ok:
+        raise ValueError(f"joint_v_gemm: {capability.reason}")
     n = w8.shape[0]
     v8, scal, img_rows, txt_rows = _joint_v_gemm_op(
         x8, x_scale.reshape(-1).float().contiguous(), norms_img.reshape(-1).float().contiguous(), w8,

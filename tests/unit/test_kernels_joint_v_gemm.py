@@ -1,14 +1,14 @@
-"""The joint v GEMM's math on CPU (``fp8/v_gemm.py``): its bound holds for both streams, its reference, where it
-declines. The kernels: tests/gpu/test_gelu_gemm_gpu.py."""
+"""The joint v GEMM's math on CPU (``qwen_edit/kernels/joint_v_gemm.py``): its bound holds for both streams, its
+reference, where it declines. The kernels: tests/gpu/test_gelu_gemm_gpu.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from qwen_edit_hopper.fp8 import v_gemm as vg
 from qwen_edit_hopper.fp8.gelu_gemm import column_bound
 from qwen_edit_hopper.fp8.norm_quant import quantized_row_norms
 from qwen_edit_hopper.fp8.quant import quantize_rowwise
+from qwen_edit_hopper.qwen_edit.kernels import joint_v_gemm as vg
 
 
 def _streams(b=2, s_img=64, length=5, heads=2, head_dim=16, k=96, seed=0):
@@ -47,17 +47,17 @@ def test_reference_scales_both_streams_by_one_bound_that_holds():
 def test_it_declines_with_reasons_and_refuses_on_cpu():
     args = _streams()
     x8, w8, v_txt = args[0], args[3], args[7]
-    assert "fast accumulation" in vg.joint_v_gemm_problem(x8, w8, False, 64, v_txt)
-    reason = vg.joint_v_gemm_problem(x8, w8, True, 64, v_txt)
-    assert reason is not None and ("Hopper" in reason or "Triton" in reason)
+    assert "fast accumulation" in vg.joint_v_gemm_capability(x8, w8, False, 64, v_txt).reason
+    capability = vg.joint_v_gemm_capability(x8, w8, True, 64, v_txt)
+    assert not capability.ok and ("Hopper" in capability.reason or "Triton" in capability.reason)
     with pytest.raises(ValueError, match="joint_v_gemm: "):
         vg.joint_v_gemm(*args)
 
 
-def test_the_block_keeps_the_v_kernels_on_cpu():
+def test_the_block_keeps_the_v_kernels_for_layers_without_a_bound():
     from qwen_edit_hopper.fp8 import ScaledMMLinear
     from qwen_edit_hopper.qwen_edit.fast.fp8_attention import joint_v_layers
 
     layer = ScaledMMLinear.from_linear(torch.nn.Linear(64, 64).bfloat16(), fast_accum=True, gemm_kernel="cublaslt")
-    image = torch.zeros(1, 1024, 64, dtype=torch.bfloat16)
-    assert joint_v_layers((layer, layer, layer), (layer,), image, "cudnn_fp8") is None
+    assert layer.column_bound is None  # kept for CUDA layers only
+    assert joint_v_layers((layer, layer, layer), (layer,)) is None

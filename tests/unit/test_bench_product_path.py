@@ -1,0 +1,259 @@
+"""The product-path tool's parts that need no server: the files it writes (same names, dtypes and shapes as the
+tiny checkpoint fixture, aligned, readable), job specs, the prompts it queues, and how it reads the Sampler's
+report, the server log and a run's results."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from comfy_server import COMFYUI_DIR
+from safetensors import safe_open
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import full_size_files  # noqa: E402
+import product_path as pp  # noqa: E402
+from qwen_edit_hopper.qwen_edit.tiny import write_tiny_checkpoints  # noqa: E402
+
+TOKENIZER = COMFYUI_DIR / "comfy" / "text_encoders" / "qwen25_tokenizer"
+FILES = pp.ModelFiles("dit.safetensors", "te.safetensors", "vae.safetensors",
+                      {4: "lightning4.safetensors", 8: "lightning8.safetensors"})
+
+
+def _layout(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    with safe_open(str(path), "pt") as handle:
+        return {k: (handle.get_slice(k).get_dtype(), tuple(handle.get_slice(k).get_shape())) for k in handle.keys()}  # noqa: SIM118
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    models = tmp_path_factory.mktemp("models")
+    return full_size_files.write_all(models, size="tiny", loras=(4,), lora_rank=4, device="cpu")
+
+
+def test_tiny_files_have_the_fixtures_names_dtypes_and_shapes(written, tmp_path):
+    record = written
+    fixture = write_tiny_checkpoints(tmp_path, "comfy_single", comfy_tokenizer_dir=TOKENIZER)
+    pairs = {"dit": fixture["dit_fp8"], "text_encoder": fixture["text_encoder_fp8"], "vae": fixture["vae"][0]}
+    for role, expected in pairs.items():
+        assert _layout(Path(record["files"][role]["path"])) == _layout(expected), role
+
+
+def test_files_are_aligned_and_scaled_fp8_weights_use_their_scale(written):
+    record = written
+    for entry in record["files"].values():
+        path = Path(entry["path"])
+        header_len = int.from_bytes(path.read_bytes()[:8], "little")
+        assert header_len % 8 == 0
+        header = json.loads(path.read_bytes()[8 : 8 + header_len])
+        header.pop("__metadata__")
+        for name, info in header.items():
+            size = {"F32": 4, "BF16": 2, "F8_E4M3": 1}[info["dtype"]]
+            assert info["data_offsets"][0] % size == 0, (path.name, name)
+        assert path.stat().st_size == 8 + header_len + max(i["data_offsets"][1] for i in header.values())
+    with safe_open(record["files"]["text_encoder"]["path"], "pt") as handle:
+        keys = set(handle.keys())
+        assert "lm_head.weight" not in keys and "scaled_fp8" in keys
+        weight = handle.get_tensor("model.layers.0.mlp.down_proj.weight")
+        scale = handle.get_tensor("model.layers.0.mlp.down_proj.scale_weight")
+    assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == ()
+    assert weight.float().abs().max() == 448.0  # the largest value maps to e4m3's largest: scale = amax / 448
+
+
+def test_lora_file_is_lightx2v_layout_on_every_block_linear(written):
+    record = written
+    layout = _layout(Path(record["files"]["lora_4"]["path"]))
+    dit = _layout(Path(record["files"]["dit"]["path"]))
+    linears = {k[: -len(".weight")]: s for k, (_, s) in dit.items()
+               if k.startswith("transformer_blocks.") and k.endswith(".weight") and len(s) == 2}
+    assert len(layout) == 3 * len(linears)
+    for module, (out_features, in_features) in linears.items():
+        assert layout[f"{module}.lora_down.weight"] == ("BF16", (4, in_features))
+        assert layout[f"{module}.lora_up.weight"] == ("BF16", (out_features, 4))
+        assert layout[f"{module}.alpha"] == ("F32", ())
+
+
+def test_the_same_seed_writes_the_same_bytes(tmp_path):
+    first = full_size_files.write_all(tmp_path / "a", size="tiny", dit="none", loras=(), device="cpu")
+    second = full_size_files.write_all(tmp_path / "b", size="tiny", dit="none", loras=(), device="cpu")
+    for role in ("text_encoder", "vae"):
+        assert Path(first["files"][role]["path"]).read_bytes() == Path(second["files"][role]["path"]).read_bytes()
+
+
+def test_job_specs_expand_and_bad_ones_are_named():
+    jobs = pp.parse_jobs("fastest*3, lightning:lora=8,free,core:compile*2")
+    assert [j.label for j in jobs] == ["fastest"] * 3 + ["lightning_4step:lora=8", "free", "core:compile"] * 1 + [
+        "core:compile"]
+    assert [j.index for j in jobs[:3]] == [0, 1, 2] and jobs[0].series == "fastest*3"
+    assert jobs[3].estimate_key == "lora_change" and jobs[5].estimate_key == "core:compile"
+    with pytest.raises(ValueError, match="unknown name 'fastset'"):
+        pp.parse_jobs("fastset")
+    with pytest.raises(ValueError, match="unknown option 'grpahs'"):
+        pp.parse_jobs("fastest:grpahs=off")
+    for plan in pp.PLANS.values():
+        for server in plan.servers:
+            assert pp.parse_jobs(server.jobs)
+
+
+def test_shipped_prompt_takes_the_written_files_seed_text_and_lora():
+    job = pp.parse_jobs("lightning:lora=8:strength=0.5")[0]
+    prompt = pp.shipped_prompt(job, FILES, seed=7, text="make it blue", tiny=False)
+    nodes = {n["class_type"]: n["inputs"] for n in prompt.values()}
+    assert nodes["QwenEditHopper_Load"]["diffusion_model"] == "dit.safetensors"
+    assert nodes["QwenEditHopper_Load"]["text_encoder"] == "te.safetensors"
+    assert nodes["QwenEditHopper_FuseLoRA"] == {**nodes["QwenEditHopper_FuseLoRA"],
+                                                "lora_name": "lightning8.safetensors", "strength": 0.5}
+    assert nodes["QwenEditHopper_Sampler"]["seed"] == 7 and nodes["QwenEditHopper_Sampler"]["prompt"] == "make it blue"
+    assert nodes["QwenEditHopper_Sampler"]["steps"] == 4  # the workflow's own
+    fastest = pp.shipped_prompt(pp.parse_jobs("fastest:graphs=off")[0], FILES, seed=1, text=None, tiny=True)
+    nodes = {n["class_type"]: n["inputs"] for n in fastest.values()}
+    assert nodes["QwenEditHopper_Compile"]["cuda_graphs"] is False
+    assert nodes["QwenEditHopper_Sampler"]["steps"] == pp.TINY_STEPS
+    assert nodes["QwenEditHopper_Sampler"]["width"] == pp.TINY_SIZE
+    assert nodes["QwenEditHopper_Sampler"]["prompt"] == pp.PROMPT
+
+
+def test_core_prompt_follows_the_servers_inputs():
+    job = pp.parse_jobs("core:compile")[0]
+    old = pp.core_prompt(job, FILES, 3, "edit", False, {"ImageScaleToTotalPixels": {"input": {"required": {}}}})
+    new = pp.core_prompt(job, FILES, 3, "edit", False,
+                         {"ImageScaleToTotalPixels": {"input": {"required": {}, "optional": {"resolution_steps": []}}}})
+    assert "resolution_steps" not in old["2"]["inputs"] and new["2"]["inputs"]["resolution_steps"] == 1
+    assert old["13"]["class_type"] == "TorchCompileModel" and old["6"]["inputs"]["model"] == ["13", 0]
+    assert old["10"]["inputs"] | {"seed": 3, "steps": 40, "cfg": 4.0, "sampler_name": "euler"} == old["10"]["inputs"]
+    assert old["6"]["inputs"]["shift"] == 3.1 and old["4"]["inputs"]["type"] == "qwen_image"
+    assert "13" not in pp.core_prompt(pp.parse_jobs("core")[0], FILES, 3, "edit", False, {})
+
+
+def test_the_samplers_report_and_the_server_log_are_read():
+    info = "\n".join([
+        "output 1024x1024", "steps: 40, cfg: 4, seed: 7", "prompt encoding: 0.41 s (cached)",
+        "denoising: 12.80 s (0.320 s/step)", "VAE decode: 0.52 s", "total: 13.90 s",
+        "compiled: first step 28.10 s (includes any compile), graphs compiled this run: 2",
+        "CUDA graphs: on (one whole-forward graph per shape)",
+        "GPU memory (PyTorch's allocator): peak 26.31 GiB during this prompt, 20.02 GiB held after it"])
+    assert pp.parse_stages(info) == {
+        "encode_s": 0.41, "encode_cached": True, "denoise_s": 12.8, "s_per_step": 0.32, "decode_s": 0.52,
+        "total_s": 13.9, "first_step_s": 28.1, "graphs_compiled": 2, "torch_peak_GiB": 26.31,
+        "torch_held_GiB": 20.02, "cuda_graphs": "on (one whole-forward graph per shape)"}
+    assert pp.parse_stages("nothing here") == {}
+    log = ("got prompt\r 50%|#####     | 20/40 [00:16<00:16,  1.21it/s]\r100%|##########| 40/40 [00:33<00:00,  "
+           "1.20it/s]\nPrompt executed in 35.02 seconds\n 10%|#| 1/10 [00:05<00:45,  5.00s/it]")
+    parsed = pp.parse_log(log)
+    assert parsed == {"progress": "1/10", "s_per_step": 5.0, "progress_elapsed_s": 5, "executed_s": 35.02}
+    assert pp.parse_log(log.rsplit("\n", 1)[0])["s_per_step"] == pytest.approx(1 / 1.2, abs=1e-4)
+
+
+def _job(n, label, wall, held, anon, **extra):
+    return {"n": n, "job": label, "series": extra.pop("series", label), "index": 0, "ok": True,
+            "queue_to_image_s": wall, "stages": {"s_per_step": 0.3, **extra.pop("stages", {})},
+            "gpu": {"peak_MiB": 30 * 1024, "held_MiB": held}, "host": {"peak_GiB": anon + 1, "after_GiB": anon},
+            "survived": True, **extra}
+
+
+def test_summary_and_table_of_a_run():
+    twenty = [_job(2 + i, "fastest:vary", 14.0 + i / 10, 20480 + i, 8.0 + i / 100, series="fastest:vary*3")
+              for i in range(3)]
+    results = {
+        "plan": "p", "description": "d", "date": "2026-11-26 10:00 UTC", "commit": "abc", "comfyui_version": "0.3.75",
+        "sizes": "full", "device": "gpu", "card": {"name": "NVIDIA H100 80GB HBM3", "memory": "81559 MiB",
+                                                   "driver": "580"},
+        "files": {"dit": "d.safetensors", "text_encoder": "t.safetensors", "vae": "v.safetensors"},
+        "servers": [{"label": "cold", "caches": "fresh", "start_s": 15.0, "idle": {"gpu_MiB": 500, "anon_GiB": 2.0},
+                     "command": ["main.py", "--port", "1"], "restarts": [], "alive_at_end": True,
+                     "jobs": [_job(1, "fastest", 70.0, 20480, 8.0, stages={"first_step_s": 30.0},
+                                   first_on_server=True),
+                              *twenty,
+                              _job(5, "lightning_4step:lora=8", 3.0, 20480, 8.0,
+                                   stages={"graphs_compiled": 0, "first_step_s": 1.0}),
+                              {"n": 6, "job": "low_vram", "series": "low_vram", "index": 0, "skipped": "no time"},
+                              {"n": 7, "job": "core", "series": "core", "index": 0, "ok": False,
+                               "error": "RuntimeError: boom\nline two", "stages": {}, "survived": True}]}],
+    }
+    summary = pp.summarize(results)
+    server = summary["servers"][0]
+    assert server["first_image_s"] == 85.0 and server["anon_peak_above_idle_GiB"] == pytest.approx(7.02)
+    assert (server["jobs_ok"], server["jobs_failed"], server["jobs_skipped"]) == (5, 1, 1)
+    (series,) = summary["series"]
+    assert series["ok"] == 3 and series["wall_median_s"] == 14.1
+    assert series["gpu_held_growth_pct"] == pytest.approx(100 * 2 / 20480, abs=0.01)
+    assert series["anon_growth_pct"] == pytest.approx(100 * 0.02 / 8.0, abs=0.01)
+    assert summary["lora_changes"] == [{"server": "cold", "job": "lightning_4step:lora=8", "ok": True,
+                                        "queue_to_image_s": 3.0, "graphs_compiled": 0, "first_step_s": 1.0}]
+    results["summary"] = summary
+    table = pp.markdown(results)
+    assert "| cold | 1 | fastest | yes | 70.00 |" in table
+    assert "skipped: no time" in table and "RuntimeError: boom line two" in table
+    assert "first image after **85.0 s**" in table and "NVIDIA H100 80GB HBM3" in table
+    checks = pp.targets([results])
+    assert "| 0.3.75 | warm fastest, queue to image <= 14.0 s (H100) | median 14.10 s | no |" in checks
+    assert "| 0.3.75 | GPU peak of a fastest prompt <= 28 GiB (card; PyTorch's allocator) | 30.00 GiB; " in checks
+    assert "empty Inductor cache <= 75 s | 85.0 s | no |" in checks
+    assert "| a LoRA change: time, recompiles (none expected) | 3.0 s, graphs compiled 0 | yes |" in checks
+    assert "5 of 6 ok; core on cold: RuntimeError: boom line two | no |" in checks
+
+
+def test_record_appends_one_section(tmp_path):
+    results = {"plan": "p", "description": "d", "date": "2026-11-26 10:00 UTC", "commit": "abc",
+               "comfyui_version": "0.33.0", "sizes": "full", "device": "gpu", "card": {},
+               "files": {"dit": "d", "text_encoder": "t", "vae": "v"}, "servers": []}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    record = tmp_path / "benchmarks.md"
+    record.write_text("# Benchmark record\n")
+    pp.append_record([path], record)
+    text = record.read_text()
+    assert text.startswith("# Benchmark record\n") and text.count("\n## ") == 1 and "ComfyUI 0.33.0" in text
+
+
+FAKE_SMI = '''#!{python}
+"""nvidia-smi's two queries the tool makes, from a file holding the MiB 'used' (a stand-in for the card)."""
+import sys, time, datetime
+args = " ".join(sys.argv[1:])
+if "name,memory.total" in args:
+    print("Fake GPU 80GB, 81559 MiB, 580.00")
+    sys.exit(0)
+period = int(sys.argv[sys.argv.index("-lms") + 1]) / 1000
+while True:
+    stamp = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    print(f"{{stamp}}, {{open('{used}').read().strip()}}", flush=True)
+    time.sleep(period)
+'''
+
+
+def test_memory_sampler_windows_the_cards_samples_and_the_process_memory(tmp_path, monkeypatch):
+    import os
+    import time
+
+    used = tmp_path / "used"
+    used.write_text("100")
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_SMI.format(python=sys.executable, used=used))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    assert pp.card() == {"name": "Fake GPU 80GB", "memory": "81559 MiB", "driver": "580.00"}
+    sampler = pp.MemorySampler(gpu=True)
+    sampler.pid = os.getpid()
+    try:
+        sampler.settle(time.time() + 0.3, timeout=20)  # the stand-in is running and has sampled
+        t0 = time.time()
+        used.write_text("5000")
+        time.sleep(0.8)
+        used.write_text("2000")
+        time.sleep(0.8)
+        t1 = time.time()
+        time.sleep(0.6)
+        after = time.time()
+        sampler.settle(after)
+        window = sampler.gpu_window(t0, t1, after)
+        assert window == {"before_MiB": 100.0, "peak_MiB": 5000.0, "held_MiB": 2000.0}
+        host = sampler.anon_window(t0, t1, after)
+        assert 0 < host["after_GiB"] <= host["tree_peak_GiB"] and host["peak_GiB"] > 0
+    finally:
+        sampler.stop()
