@@ -8,6 +8,8 @@ from pathlib import Path
 import folder_paths
 from comfy_api.latest import io
 
+from ..qwen_edit.checkpoints.safetensors_io import PICKLE_SUFFIXES
+
 CATEGORY = "Qwen Edit Hopper"
 PIPE = io.Custom("QWEN_EDIT")
 """The pipe passed between our nodes: a ``qwen_edit.plan.PipePlan`` (immutable)."""
@@ -15,7 +17,6 @@ PIPE = io.Custom("QWEN_EDIT")
 DIFFUSERS_FOLDER_NAME = "qwen_edit"
 """ComfyUI model folder (``models/qwen_edit``) for diffusers/ModelScope pipeline folders."""
 NO_FOLDER = "(none: use the three files)"
-PICKLE_SUFFIXES = (".ckpt", ".pt", ".pt2", ".pth", ".bin", ".pkl")
 
 
 REFUSE, EMULATE = "refuse", "emulate"

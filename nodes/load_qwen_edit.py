@@ -25,7 +25,6 @@ from .common import (
 )
 
 VARIANT_CHOICES = ["auto", *(v.value for v in Variant)]
-VARIANT_BY_NAME = {"edit": Variant.EDIT, "edit_2509": Variant.EDIT_2509, "edit_2511": Variant.EDIT_2511}
 MAX_HOST_BLOCKS = 200
 ATTENTION_CHOICES = ["auto", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn", "triton_fp8", "cudnn_fp8"]
 EMULABLE_ATTENTION = {"cudnn_fp8": "cudnn_fp8_emulated"}
@@ -145,7 +144,7 @@ class LoadQwenEdit(io.ComfyNode):
             if not info.known:
                 raise NodeInputError(f"variant: could not tell which Qwen-Image-Edit release these files are "
                                      f"({info.reason}); set variant to qwen-image-edit, -2509 or -2511")
-            chosen, reason = VARIANT_BY_NAME[info.name], info.reason
+            chosen, reason = Variant.from_checkpoint_name(info.name), info.reason
         else:
             chosen, reason = Variant(variant), "chosen by the user"
         attention, note, _ = resolve_attention(attention, where_unsupported)

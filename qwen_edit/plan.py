@@ -15,29 +15,44 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .checkpoints.variants import RELEASE_BY_PLAN_VALUE, RELEASES, ReleaseFacts
 from .fast.options import SHIPPED, ForwardOptions
 
 
 class Variant(str, enum.Enum):
-    """Qwen-Image-Edit releases. 2509 and 2511 take up to three reference images."""
+    """Qwen-Image-Edit releases; their facts live in :data:`.checkpoints.variants.RELEASES`."""
 
     EDIT = "qwen-image-edit"
     EDIT_2509 = "qwen-image-edit-2509"
     EDIT_2511 = "qwen-image-edit-2511"
 
     @property
+    def facts(self) -> ReleaseFacts:
+        return RELEASE_BY_PLAN_VALUE[self.value]
+
+    @property
+    def checkpoint_name(self) -> str:
+        """The name :func:`.checkpoints.variants.detect_variant` gives this release (``"edit_2509"``...)."""
+        return self.facts.name
+
+    @classmethod
+    def from_checkpoint_name(cls, name: str) -> Variant:
+        """The release :func:`.checkpoints.variants.detect_variant` named ``name``."""
+        return cls(RELEASES[name].plan_value)
+
+    @property
     def max_images(self) -> int:
-        return 1 if self is Variant.EDIT else 3
+        return self.facts.max_images
 
     @property
     def zero_cond_t(self) -> bool:
         """2511 modulates reference-image tokens with timestep 0 (DiffSynth's ``zero_cond_t``)."""
-        return self is Variant.EDIT_2511
+        return self.facts.zero_cond_t
 
     @property
     def multi_image_prompt(self) -> bool:
         """2509/2511 encode prompts with "Picture N:" image slots (DiffSynth's multi-image template)."""
-        return self is not Variant.EDIT
+        return self.facts.multi_image_prompt
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from .errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")  # ComfyUI also reads ".sft" as safetensors
-PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pt2", ".pth", ".bin", ".pkl", ".pickle")
+"""Suffixes of pickled PyTorch checkpoints: every loader and node refuses them by name (the one list of the pack)."""
 
 # safetensors refuses headers above 100 MB; anything larger is not a safetensors file.
 MAX_HEADER_BYTES = 100_000_000

@@ -33,8 +33,35 @@ EDIT_2511 = "edit_2511"
 UNKNOWN = "unknown"
 VARIANTS = (EDIT, EDIT_2509, EDIT_2511)
 
-_MAX_IMAGES = {EDIT: 1, EDIT_2509: 3, EDIT_2511: 3}
-_LABELS = {EDIT: "Qwen-Image-Edit", EDIT_2509: "Qwen-Image-Edit-2509", EDIT_2511: "Qwen-Image-Edit-2511"}
+
+
+@dataclass(frozen=True)
+class ReleaseFacts:
+    """What the pack knows of one Qwen-Image-Edit release (the one table of these facts).
+
+    Attributes:
+        name: the checkpoint-side name (``"edit"``, ``"edit_2509"``, ``"edit_2511"``).
+        plan_value: the value of ``qwen_edit.plan.Variant`` (and the Load node's widget) for this release.
+        label: the release's published name.
+        max_images: reference images it accepts.
+        zero_cond_t: reference-image tokens modulated with timestep 0 (DiffSynth's ``zero_cond_t``).
+        multi_image_prompt: prompts with "Picture N:" image slots (DiffSynth's multi-image template).
+    """
+
+    name: str
+    plan_value: str
+    label: str
+    max_images: int
+    zero_cond_t: bool
+    multi_image_prompt: bool
+
+
+RELEASES: dict[str, ReleaseFacts] = {
+    EDIT: ReleaseFacts(EDIT, "qwen-image-edit", "Qwen-Image-Edit", 1, False, False),
+    EDIT_2509: ReleaseFacts(EDIT_2509, "qwen-image-edit-2509", "Qwen-Image-Edit-2509", 3, False, True),
+    EDIT_2511: ReleaseFacts(EDIT_2511, "qwen-image-edit-2511", "Qwen-Image-Edit-2511", 3, True, True),
+}
+RELEASE_BY_PLAN_VALUE: dict[str, ReleaseFacts] = {facts.plan_value: facts for facts in RELEASES.values()}
 
 #: safetensors ``__metadata__`` fields searched for a release name, in order.
 METADATA_FIELDS = ("qwen_edit.variant", "modelspec.title", "modelspec.architecture", "modelspec.description", "name")
@@ -63,16 +90,19 @@ class VariantInfo:
     @property
     def max_images(self) -> int | None:
         """Reference images the release accepts (1 for Edit, 3 for 2509/2511); None if unknown."""
-        return _MAX_IMAGES.get(self.name)
+        facts = RELEASES.get(self.name)
+        return facts.max_images if facts else None
 
     @property
     def zero_cond_t(self) -> bool:
         """Whether sampling must pass ``zero_cond_t=True`` (Edit-2511)."""
-        return self.name == EDIT_2511
+        facts = RELEASES.get(self.name)
+        return facts.zero_cond_t if facts else False
 
     @property
     def label(self) -> str:
-        return _LABELS.get(self.name, "unknown Qwen-Image-Edit release")
+        facts = RELEASES.get(self.name)
+        return facts.label if facts else "unknown Qwen-Image-Edit release"
 
 
 def variant_from_text(text: str) -> str | None:

@@ -14,7 +14,7 @@ Pure function form: ``fused_state(base_state, loras) -> {name: new tensor}``.
 """
 
 from .errors import LoraError, LoraFileError, LoraFormatError, LoraMatchError
-from .files import load_safetensors, read_header
+from .files import load_safetensors, read_lora_header
 from .formats import ParsedLora, load_lora, parse_lora
 from .fuse import LoraPatcher, fused_state, restore_weights, shapes_of, swap_weights
 from .lightning import detect_lightning
@@ -38,7 +38,7 @@ __all__ = [
     "load_lora",
     "load_safetensors",
     "parse_lora",
-    "read_header",
+    "read_lora_header",
     "restore_weights",
     "shapes_of",
     "swap_weights",

@@ -14,7 +14,7 @@ from qwen_edit_hopper.qwen_edit.lora import (
     LoraMatchError,
     load_lora,
     parse_lora,
-    read_header,
+    read_lora_header,
 )
 from qwen_edit_hopper.qwen_edit.lora.testing import tiny_target_shapes, write_tiny_lora
 from safetensors.torch import save_file
@@ -113,8 +113,8 @@ def test_corrupted_files_name_the_file(tmp_path, variant):
 def test_header_is_read_without_tensors(tmp_path):
     path = tmp_path / "meta.safetensors"
     save_file({"x.lora_A.weight": torch.zeros(2, 3)}, str(path), metadata={"modelspec.title": "t"})
-    entries, meta = read_header(path)
-    assert entries["x.lora_A.weight"]["shape"] == [2, 3] and meta == {"modelspec.title": "t"}
+    header = read_lora_header(path)
+    assert header.tensors["x.lora_A.weight"].shape == (2, 3) and dict(header.metadata) == {"modelspec.title": "t"}
 
 
 M = "transformer_blocks.0.attn.to_q"
