@@ -1,6 +1,7 @@
 # Source on the GPU machine (from the repo root): installs the carried wheels (.whl/) and, when the
 # Transformer Engine pieces were sent (/root/tec) with .tew carried, builds and installs TE 2.20.2.
-# See /work/shared/docs/gpu-device.md (shared/docs/gpu-device.md) for the verified procedure.
+# The TE pieces: the core wheel split in parts (/root/tec/tecore.part*, checked against its sha256 below) and the
+# transformer_engine_torch source and wheels in .tew/.
 D=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn
 export PYTHONPATH=/tmp/site CUDNN_PATH=$D LD_LIBRARY_PATH=$D/lib PYTHONUNBUFFERED=1
 if [ -d .whl ] && [ ! -f /tmp/site/.wheels-ready ]; then

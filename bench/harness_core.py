@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -49,6 +50,15 @@ def load_pack():
     from pack import load_pack as _load
 
     return _load()
+
+
+def card_name(gpu: str) -> str:
+    """The GPU kind a record file is named after: ``"NVIDIA H200"`` -> ``"H200"``, ``"NVIDIA H100 80GB HBM3"`` ->
+    ``"H100"``; other names are reduced to letters, digits and dashes."""
+    match = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Za-z]?)\b", gpu.replace("NVIDIA", ""))
+    if match:
+        return match.group(1)
+    return re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-") or "unknown"
 
 
 def log(*parts: object) -> None:

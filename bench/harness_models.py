@@ -3,7 +3,7 @@
 * :func:`materialize_random`: a module built on ``meta`` -> ``dtype`` on ``device`` with random weights
   (``to_empty`` then in-place ``normal_``; tensors that were real before, such as rotary tables, are
   put back unchanged). Weight init: fan-in scaled Gaussians, norms 1, biases 0, modulation and
-  ``norm_out`` weights x0.1 (the anchors' init, docs/anchors.md).
+  ``norm_out`` weights x0.1 (the anchors' init).
 * :func:`build_dit` / :func:`build_text_encoder` / :func:`build_vae`: the pack's DiffSynth-structured
   models at the released sizes (or the tiny test sizes).
 * ComfyUI: :func:`comfy_key_map` maps DiffSynth DiT names to ComfyUI 0.3.75's

@@ -206,7 +206,7 @@ setup() {  # setup VERSION: site folders and ComfyUI source; exports PYTHONPATH,
   COMFYUI_SRC=$SOURCES/$version
   mkdir -p "$COMFYUI_SRC"/{custom_nodes,models,input,output,user}
   local cudnn=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn
-  if [ -d $cudnn ]; then  # the cuDNN PyTorch loads, before a system copy (docs: gpu-device)
+  if [ -d $cudnn ]; then  # the cuDNN PyTorch loads, before a system copy
     export CUDNN_PATH=$cudnn LD_LIBRARY_PATH=$cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   fi
   export PYTHONPATH=${path#:}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QWEN_EDIT_COMFYUI_DIR=$COMFYUI_SRC

@@ -6,7 +6,7 @@ Run on the device machine::
 
 ``-s`` shows the cost record of ``test_check_cost_against_the_load`` (the check's share of loading a
 4 GB full-width DiT file onto the GPU; the target is under 2%). For the real model, run
-``bench/integrity_bench.py --device cuda --file <the DiT .safetensors>``.
+``python3 bench/product_path.py integrity --device cuda --file <the DiT .safetensors>``.
 """
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ def test_every_format_is_checked_on_the_device(dtype):
 @pytest.mark.slow
 def test_check_cost_against_the_load(tmp_path):
     """Six full-width blocks (about 4 GB): the figures are printed, not asserted (speed is not a test)."""
-    import integrity_bench
+    import product_path as integrity
 
-    path = integrity_bench.write_synthetic(tmp_path / "dit.safetensors", blocks=6)
-    record = integrity_bench.measure([path], "cuda", repeats=3)
-    print("\n" + integrity_bench.report(record))
+    path = integrity.write_synthetic_dit(tmp_path / "dit.safetensors", blocks=6)
+    record = integrity.measure_integrity([path], "cuda", repeats=3)
+    print("\n" + integrity.integrity_report(record))
     assert record["tensors"] > 6 * 30 and record["gbytes"] > 3
     assert record["plain_read_s"] > 0 and record["checked_read_s"] > 0 and record["check_alone_s"] > 0

@@ -1,7 +1,7 @@
 """The linear benchmark's accuracy code, checked against a known quantization error on CPU.
 
 Per-tensor ``torch._scaled_mm`` runs on the CPU in torch 2.11, so the whole measuring path
-(``harness_linear.measure``) can be checked on numbers worked out by hand: an identity input and a
+(``harness_forward.measure``) can be checked on numbers worked out by hand: an identity input and a
 weight whose entries are 448 (which sets the per-tensor scale to exactly 1) and 1.0625 (halfway
 between the e4m3 neighbours 1.0 and 1.125, so round-to-nearest-even stores 1.0: an error of exactly
 -0.0625 per entry).
@@ -20,7 +20,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import harness_core as core
-import harness_linear as hl
+import harness_forward as hl
 
 CPU = torch.device("cpu")
 
@@ -91,7 +91,7 @@ def test_run_linear_records_every_backend_and_continues_past_failures(tmp_path):
     shapes = (hl.Shape(16, 32, 32, "tiny"),)
     hl.run_linear(runner, CPU, shapes, warmup=1, reps=2, no_compile=True)
     records = {r.id: r for r in store.records.values()}
-    assert set(records) == set(hl.all_measurement_ids(shapes))
+    assert set(records) == set(hl.linear_measurement_ids(shapes))
     assert records["linear/16x32x32/bf16-eager"].status == core.OK
     assert records["linear/16x32x32/weight-only-eager"].status == core.OK
     assert records["linear/16x32x32/scaled-mm-tensorwise-eager"].status == core.OK

@@ -198,17 +198,19 @@ def test_summary_and_table_of_a_run():
     assert "5 of 6 ok; core on cold: RuntimeError: boom line two | no |" in checks
 
 
-def test_record_appends_one_section(tmp_path):
+def test_record_rewrites_the_cards_product_path_file(tmp_path):
     results = {"plan": "p", "description": "d", "date": "2026-11-26 10:00 UTC", "commit": "abc",
-               "comfyui_version": "0.33.0", "sizes": "full", "device": "gpu", "card": {},
+               "comfyui_version": "0.33.0", "sizes": "full", "device": "gpu", "card": {"name": "NVIDIA H200"},
                "files": {"dit": "d", "text_encoder": "t", "vae": "v"}, "servers": []}
     path = tmp_path / "results.json"
     path.write_text(json.dumps(results))
-    record = tmp_path / "benchmarks.md"
-    record.write_text("# Benchmark record\n")
-    pp.append_record([path], record)
-    text = record.read_text()
-    assert text.startswith("# Benchmark record\n") and text.count("\n## ") == 1 and "ComfyUI 0.33.0" in text
+    folder = tmp_path / "performance"
+    first = pp.write_record([path], folder)
+    second = pp.write_record([path], folder)
+    text = second.read_text()
+    assert first == second == folder / "H200-product-path.md"
+    assert text.startswith("# Product path on H200") and text.count("\n# ") == 0 and "ComfyUI 0.33.0" in text
+    assert "Commit: abc" in text and "GPU: NVIDIA H200" in text
 
 
 FAKE_SMI = '''#!{python}

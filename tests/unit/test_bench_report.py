@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import harness_core as core
-import harness_report as report
+import harness as report
 
 
 def test_relative_error():
@@ -155,27 +155,35 @@ def test_markdown_section_and_record_append(tmp_path):
                  "### Resolution", "### End to end", "### Linear layers", "3.00e-03", "![forward.png](forward.png)",
                  "What each figure is compared with", "no backward"):
         assert text in section, text
-    record = tmp_path / "docs" / "benchmarks.md"
-    report.append_record(section, record)
-    report.append_record(section, record)
+    record = report.write_record(section, "TestGPU", tmp_path / "performance")
+    report.write_record(section, "TestGPU", tmp_path / "performance")
     text = record.read_text()
-    assert text.startswith("# Benchmark record") and text.count("## TestGPU") == 2 and text.count("## Method") == 1
+    assert record.name == "TestGPU.md"
+    assert text.startswith("# Performance on TestGPU") and text.count("## TestGPU") == 1 and text.count("## Method") == 1
     assert report.draw_forward_chart(store, tmp_path / "forward.png")
 
 
-def test_record_run_copies_charts_next_to_the_record(tmp_path):
+def test_record_run_rewrites_the_card_file_with_its_charts(tmp_path):
     store = _filled_store(tmp_path)
     (tmp_path / "forward.png").write_bytes(b"png")
-    record = tmp_path / "docs" / "benchmarks.md"
-    report.record_run(store, tmp_path, {"forward.png": "forward.png"}, record)
-    copied = list((tmp_path / "docs" / "benchmarks").rglob("forward.png"))
-    assert len(copied) == 1
-    assert f"](benchmarks/{copied[0].parent.name}/forward.png)" in record.read_text()
+    folder = tmp_path / "docs" / "performance"
+    path = report.record_run(store, tmp_path, {"forward.png": "forward.png"}, folder)
+    assert path == folder / "TestGPU.md"
+    assert (folder / "TestGPU" / "forward.png").read_bytes() == b"png"
+    assert "](TestGPU/forward.png)" in path.read_text()
+    assert "- Commit: " in path.read_text()
+
+
+@pytest.mark.parametrize(("gpu", "card"), [("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100"),
+                                           ("NVIDIA H100 PCIe", "H100"), ("CPU", "CPU")])
+def test_card_name(gpu, card):
+    assert report.card_name(gpu) == card
 
 
 def test_env_info_on_cpu():
     info = report.env_info(torch.device("cpu"), "python3 bench/harness.py --tiny")
     assert info["gpu"] == "CPU" and info["torch"] == torch.__version__ and info["command"].endswith("--tiny")
+    assert info["commit"] is None or len(info["commit"]) >= 7
 
 
 def test_load_results_from_files_and_folders(tmp_path):
