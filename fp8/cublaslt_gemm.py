@@ -3,7 +3,7 @@
 ``torch._scaled_mm`` hands cuBLASLt PyTorch's workspace, so for the image stream's GEMMs (M = 8192 tokens)
 cuBLASLt's heuristic picks a stream-K kernel that needs a zeroed slice of that workspace: a memset before
 every such GEMM, 360 per forward, each followed by a gap of about 3 us before the GEMM starts (profile,
-docs/experiments/forward.md, session 10). PyTorch sizes the workspace once per process from
+docs/decisions/0002-own-cublaslt-call.md). PyTorch sizes the workspace once per process from
 ``CUBLASLT_WORKSPACE_SIZE``; setting that would change every cuBLASLt call of the ComfyUI process.
 
 This module calls cuBLASLt itself (ctypes, the ``libcublasLt`` PyTorch already loaded) with the same problem

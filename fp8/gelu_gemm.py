@@ -9,12 +9,12 @@ row's amax spans every column tile of the GEMM. Here the row scale is known befo
 * so ``bound[t] = (||x[t]|| * max_j ||W[j]|| + max_j |b[j]|) * BOUND_MARGIN`` never lets the cast saturate.
 
 ``||x[t]||`` comes from the LayerNorm kernel that quantized x (:mod:`.norm_quant`, ``with_norms``): an upper bound
-of the e4m3 row's norm, at most 6.25% above it (exact from the codes until the sixteenth session); ``max_j ||W[j]||``
+of the e4m3 row's norm, at most 6.25% above it (an upper bound, not the exact norm of the codes); ``max_j ||W[j]||``
 and ``max_j |b[j]|`` from :func:`column_bound`, kept with the layer (``ScaledMMLinear.column_bound``). e4m3 is a
 float format: a scale that is loose by a factor f only moves the codes down by log2(f) binades. On Gaussian data the
 bound is about 15x the row's true max (4 binades of e4m3's 15), and the hidden state's error against float64 was
 2.66e-2, as the amax-scaled path's 2.67e-2
-(bench/fused_up_gemm_bench.py, docs/benchmarks.md, fourteenth session).
+(docs/decisions/0009-gemm-epilogue-fusions.md).
 
 The kernel: persistent, TMA loads of x and W (128 x 256 x 128 tiles, 3 stages, 8 warps), fp32 accumulation of the
 e4m3 products without promotion (as cuBLASLt's fast accumulation; only ``fast_accum`` layers take this path),
@@ -26,7 +26,7 @@ scale the down-projection takes.
 
 Both streams take it: the image stream's 8192 rows in :data:`CONFIG`'s tiles, the text stream's few hundred in
 :data:`SMALL_M_CONFIG`'s (:func:`config_for_rows`). At 32 to 600 rows it beats the small-M GEMM + :mod:`.gelu_quant`
-pair it replaced there at every size measured (H200, ``bench/text_gelu_gemm_bench.py``, sixteenth session: 34.2 ->
+pair it replaced there at every size measured (H200, docs/decisions/0009-gemm-epilogue-fusions.md: 34.2 ->
 24.2 us at 300 rows, 48.3 -> 40.4 us at 600).
 
 Limits: CUDA compute capability 9.0, Triton with TMA descriptors, e4m3 x (M, K) with contiguous rows and w (N, K)
@@ -53,11 +53,11 @@ OP_NAME = "qwen_edit_hopper::gelu_gemm_rowwise"
 
 CONFIG = (128, 256, 128, 8, 3, 16)
 """(BM, BN, BK, warps, stages, GROUP_M): the fastest of 12 on an H200 at 8192 x 3072 -> 12288: 441 us, against
-492 us for cuBLASLt + :mod:`.gelu_quant` (bench/fused_up_gemm_bench.py)."""
+492 us for cuBLASLt + :mod:`.gelu_quant` (docs/decisions/0009-gemm-epilogue-fusions.md)."""
 
 SMALL_M_CONFIG = (64, 256, 128, 4, 4, 8)
 """The tiles for at most :data:`SMALL_M_MAX_ROWS` rows (the text stream): at 300 rows 24.2 us against 38.5 us in
-:data:`CONFIG`'s (H200, 300 x 3072 -> 12288, ``bench/text_gelu_gemm_bench.py``)."""
+:data:`CONFIG`'s (H200, 300 x 3072 -> 12288, docs/decisions/0009-gemm-epilogue-fusions.md)."""
 
 SMALL_M_MAX_ROWS = 512
 """Most rows that take :data:`SMALL_M_CONFIG`. Measured at 32, 64, 128, 200, 300, 384, 450, 512 and 600 rows:

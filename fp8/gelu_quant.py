@@ -4,14 +4,14 @@ Qwen-Image's MLP applies ``h = y * sigmoid(1.702 * y)`` to the first linear's ou
 bf16 at full size) and the second linear, when it is a row-wise :class:`.linear.ScaledMMLinear`,
 quantizes ``h`` per token. Inductor fuses bias, GELU and quantization into one looped-reduction kernel
 that reads each row twice; on an H200 it took 16.2 ms of a 245 ms forward, ~3.6x its memory-bandwidth
-floor (docs/benchmarks.md, kernel profile). This kernel keeps one row in registers: it reads ``y`` and
+floor (docs/decisions/0008-fused-quantization-kernels.md). This kernel keeps one row in registers: it reads ``y`` and
 the bias once and writes the e4m3 row and its float32 scale.
 
 Numerics: bias add rounded to bf16 (as ``y + bias`` in bf16), GELU in float32 rounded once to bf16
 (as Inductor computes the bf16 expression), then :func:`.quant.quantize_rowwise`'s scale
 (``max(amax, EPS) / 448``), a multiply by its reciprocal instead of the division (differs only where
 the quotient is an exact e4m3 rounding tie), clamp to +-448, round to nearest even. On an H200 all
-codes of an 8192 x 12288 Gaussian test equalled the reference's (bench/gelu_quant_bench.py).
+codes of an 8192 x 12288 Gaussian test equalled the reference's.
 
 Limits: CUDA tensors only (Triton), ``y`` bf16 [M, N] with N <= :data:`MAX_COLUMNS`. Callers check
 :func:`gelu_quant_capability` and use the plain-torch path when it says no.
@@ -45,7 +45,8 @@ MAX_COLUMNS = 32768
 OP_NAME = "qwen_edit_hopper::gelu_quantize_rowwise"
 
 DEFAULT_WARPS = 8
-"""Warps per row: fastest of 8 / 16 / 32 at 8192 x 12288 on an H200 (bench/gelu_quant_bench.py)."""
+"""Warps per row: fastest of 8 / 16 / 32 at 8192 x 12288 on an H200
+(docs/decisions/0008-fused-quantization-kernels.md)."""
 
 try:  # Triton ships with CUDA builds of torch; its absence only disables the fused path (reported by callers).
     import triton

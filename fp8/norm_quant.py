@@ -5,7 +5,8 @@ shift and scale are per sample, or per token with Qwen-Image-Edit-2511's ``zero_
 consumer of that value is a row-wise :class:`.linear.ScaledMMLinear`, only its fp8 form is needed.
 Inductor computes it as a reduction kernel that reads each row several times; on an H200 the two
 image-stream instances took 11.9 ms of a 237 ms forward, ~6x their bandwidth floor
-(docs/benchmarks.md). This kernel keeps one row in registers: one read of ``x`` and of the two
+(docs/decisions/0008-fused-quantization-kernels.md).
+This kernel keeps one row in registers: one read of ``x`` and of the two
 modulation vectors, one write of the e4m3 row and its float32 scale.
 
 Numerics: mean and variance in float32 (biased variance, as ``F.layer_norm``), normalized value

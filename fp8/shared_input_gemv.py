@@ -4,7 +4,7 @@ In a DiT, every block's timestep-modulation linear (Qwen-Image: ``img_mod.1`` / 
 18432, 60 blocks each) is applied to the same ``silu(timestep embedding)``: one row per timestep, so
 M = 1 (2 for Qwen-Image-Edit-2511's zero_cond_t). Each such call is a matrix-vector product that reads
 the whole weight: 120 calls read 6.8 GB of e4m3 per forward. One ``torch._scaled_mm`` call per layer
-moves it at about 2.3 TB/s on an H200 (3.0 ms per forward, ``bench/cfg_batch_bench.py``), because each
+moves it at about 2.3 TB/s on an H200 (3.0 ms per forward, docs/decisions/0010-modulation-launches.md), because each
 launch is too short to reach full bandwidth. :class:`SharedInputLinears` runs a whole group in one
 launch, over a table of the layers' weight, scale and bias addresses: 1.51 ms at one row, 1.60 ms at two
 (4.5 / 4.2 TB/s, H200), with the hint to Triton that those addresses are 16-byte aligned.
@@ -50,17 +50,17 @@ BLOCK_K = 256
 """K must be a multiple of this (the kernels step through K 128 or 256 at a time, unmasked)."""
 DOT_CONFIG = (64, 128, 4, 4)
 """(BN, BK, num_warps, num_stages) of the tensor-core kernel, the choice for two to four rows: 1.60 ms for the 120
-modulation linears at two rows (4.24 TB/s; 3.57 ms before the alignment hint), H200, sixteenth session,
-``bench/modulation_stream_bench.py``."""
+modulation linears at two rows (4.24 TB/s; 3.57 ms before the alignment hint), H200
+(docs/decisions/0010-modulation-launches.md)."""
 ONE_ROW_CONFIG = (4, 1024, 2, 2, "rowsum")
 """For one input row: the kernel without tensor cores that reduces each K step into a (BN,) accumulator, 4 weight
 rows x 1024 columns per step, 2 warps, 2 stages: 1.51 ms (4.51 TB/s) for the 120 modulation linears (2.75 ms before
 the alignment hint), against 1.61 ms for :data:`FMA_CONFIG` and 1.53 ms for a persistent kernel over the weights
-stacked in one buffer (H200, sixteenth session, ``bench/modulation_stream_bench.py``). Needs K % 1024 == 0; other K
+stacked in one buffer (H200, docs/decisions/0010-modulation-launches.md). Needs K % 1024 == 0; other K
 take :data:`FMA_CONFIG`."""
 FMA_CONFIG = (16, 256, 4, 1, "fma")
 """The kernel without tensor cores with (BN, BK) float32 partials: 1.61 ms (4.21 TB/s) for one row with the alignment
-hint (H200, sixteenth session); the one-row choice where K is not a multiple of 1024."""
+hint (H200); the one-row choice where K is not a multiple of 1024."""
 
 
 def default_config(rows: int, in_features: int) -> tuple:
@@ -141,7 +141,7 @@ if triton is not None:
         ``ALIGNED``: every table address is a multiple of 16 bytes (``tl.multiple_of`` on the loaded pointers).
         Triton cannot know the alignment of an address read from memory: without the hint it loads the e4m3
         weights a byte at a time and does not pipeline them (2.47 TB/s for the modulation weights on an H200,
-        4.5 TB/s with it; sixteenth session, ``bench/modulation_stream_bench.py``)."""
+        4.5 TB/s with it)."""
         layer = tl.program_id(1)
         w_ptr = tl.load(w_table + layer).to(tl.pointer_type(tl.float8e4nv))
         s_ptr = tl.load(s_table + layer).to(tl.pointer_type(tl.float32))
@@ -243,7 +243,7 @@ class SharedInputLinears:
         self.out_features, self.in_features = self.layers[0].weight.shape
         self.config: tuple | None = None
         """None: :func:`default_config`; or (BN, BK, num_warps, num_stages[, "fma" | "rowsum"])
-        (``bench/modulation_bench.py`` and ``bench/modulation_stream_bench.py`` compare them)."""
+        (docs/decisions/0010-modulation-launches.md)."""
         self._tables()
 
     def _tensors(self) -> tuple[tuple[torch.Tensor, ...], ...]:

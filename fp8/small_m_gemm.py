@@ -4,7 +4,7 @@ Qwen-Image's text stream runs its linears on M = text tokens (about 300 for an e
 reference image). For these shapes ``torch._scaled_mm`` (cuBLASLt) picks kernels that reach 500-780
 TFLOP/s on an H200, against about 1300 for the image stream; its MLP up-projection (3072 -> 12288) took
 45.1 us per call. A plain Triton GEMM with 64-row tiles, ordered so that the few row tiles sharing a
-weight tile run together, took 26.5 us (bench/text_gemm_bench.py, weights streamed from HBM):
+weight tile run together, took 26.5 us (docs/decisions/0011-small-m-text-gemms.md, weights streamed from HBM):
 
 =====================  ==================  =====================  ================
 shape (K -> N), M=300  cuBLASLt (us)       this kernel (us)       config

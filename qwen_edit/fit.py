@@ -6,7 +6,7 @@ batch, and the VAE decode. What the device offers: free memory plus what the hos
 that cannot fit is refused with both figures and the preset that would fit, instead of failing half-way through
 a 20 GB load.
 
-The estimates are upper bounds measured against full-size runs (docs/benchmarks.md); they refuse only what
+The estimates are upper bounds measured against full-size runs (docs/performance/); they refuse only what
 clearly cannot fit.
 """
 

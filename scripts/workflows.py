@@ -122,7 +122,8 @@ LOW_VRAM_HOST_BLOCKS = 10
 """DiT blocks the low VRAM workflow keeps in host memory: 3.2 GiB of fp8 weights off the GPU."""
 
 FASTEST_LAYERS = "attn+mlp+mod compute"
-"""Measured on an H200 (docs/benchmarks.md): faster than the default preset and more accurate."""
+"""Measured on an H200: faster than the default preset and more accurate
+(docs/decisions/0001-fp8-rowwise-linears.md)."""
 
 
 def _fp8(node_id: int, pos, pipe: tuple[int, int], backend: str, layers: str = "attn+mlp") -> Node:

@@ -21,7 +21,7 @@ Inside the DiT, ``qwen_edit/fast/fp8_attention.py`` skips both passes that need 
 scales from the RMSNorm weights (:func:`rms_norm_bound`), and the e4m3 output handed to the fp8
 output projections. The generic path above measured no faster than bf16 SDPA in the model (H200).
 
-Numerics (H200, ``bench/cudnn_fp8_attention_bench.py``, Gaussian q/k with logit std ~1): 5.8-5.9e-2
+Numerics (H200, docs/decisions/0003-cudnn-fp8-attention.md, Gaussian q/k with logit std ~1): 5.8-5.9e-2
 relative error against float64 per call (bf16 SDPA: 2.3e-3; int8-QK ``triton_fp8``: 1.1e-2),
 4.7-4.8e-2 with outlier channels; K smoothing changes nothing (e4m3 is a float format). Speed: the
 kernel alone 1.10 ms at S = 8492, B = 1 against SDPA cuDNN bf16's 1.45 ms (1.32x), 1.46x at B = 2.

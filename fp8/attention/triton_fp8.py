@@ -30,8 +30,8 @@ How it works (four launches, all Triton):
    * ``e4m3``: P scaled by 2^8 (its maximum is at most 256) and cast to
      float8_e4m3fn, V e4m3 per channel; fp32 accumulate.
 
-Why int8 is the default for QK (measured numerically on CPU, see
-docs/experiments/attention.md): e4m3 keeps 3 mantissa bits, a relative error
+Why int8 is the default for QK (measured numerically on CPU,
+docs/decisions/0003-cudnn-fp8-attention.md): e4m3 keeps 3 mantissa bits, a relative error
 of about 2.5% on every element whatever the scale; on Gaussian q/k after
 RMSNorm that alone puts 3.7e-2 relative error on the output. Int8 with a
 per-token (Q) / per-128-token-block (K) scale has an absolute step of amax/127

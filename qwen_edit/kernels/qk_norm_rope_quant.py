@@ -6,7 +6,8 @@ Before FP8 attention, each of q and k is two streams (image tokens, text tokens)
 Dh with its stream's weight, then the rotary embedding on channel pairs (2i, 2i+1), then lands in the
 joint (B, S_img + S_txt, H, Dh) sequence as e4m3 with one per-tensor scale (448 / ``bound``). Inductor
 does this in three kernels (statistics, the pointwise rest, the text stream) at about 1.5 TB/s: on an
-H200 about 13 ms of a 208 ms forward for q and k together (docs/benchmarks.md). This kernel reads each
+H200 about 13 ms of a 208 ms forward for q and k together (docs/decisions/0008-fused-quantization-kernels.md).
+This kernel reads each
 element once and writes one byte: one program per token, its heads in chunks of up to 8 (the chunks' loads
 are independent), every reduction inside a warp. An earlier layout, one program per (token, 8 heads), took
 40.7 us per call at the DiT's shape on an H200 against 28.3 us for this one, with identical codes: its bound

@@ -4,7 +4,7 @@ Run on the device machine:
     python3 -m pytest tests/gpu/test_attention_fp8.py -m gpu -q -rs -s
 
 Bounds (relative error ||out - ref|| / ||ref|| against float64 attention, 24 heads x 128, RMS-normalized
-Gaussian q/k, Gaussian v) come from the CPU study in docs/experiments/attention.md with ~1.7x headroom:
+Gaussian q/k, Gaussian v) come from a CPU study of the quantized attention numerics with ~1.7x headroom:
 int8 QK^T + bf16 PV predicted 1.1e-2, int8 PV 2.0e-2, e4m3 PV 3.8e-2, e4m3 QK^T + e4m3 PV 5.2e-2.
 bf16 SDPA itself lands near 2.5e-3. The mirror check (kernel vs the float64 torch mirror of the same
 quantization, rounded to bf16) is what catches code-generation bugs: it must be a few 1e-3 at most.
@@ -185,7 +185,7 @@ def test_bf16_backends_against_float64(name):
 
 
 def test_timing_sanity():
-    """Prints ms for the default 8-bit path and cuDNN at S=8492 (no speed assertion: bench/attention_bench.py)."""
+    """Prints ms for the default 8-bit path and cuDNN at S=8492 (no speed assertion)."""
     q, k, v = _inputs(1, 8492, seed=1)
     results = {}
     for name in ("sdpa_cudnn", "triton_fp8", "cudnn_fp8"):

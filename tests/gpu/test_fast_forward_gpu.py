@@ -35,7 +35,7 @@ pytestmark = [
 
 WIDE = DiTConfig(dim=3072, num_layers=2, num_heads=24, head_dim=128, text_dim=3584)
 BF16_TOL = 2e-2
-FP8_TOL = 5e-2  # one fp8 GEMM alone is ~3.7e-2 on Gaussian data (anchors.md)
+FP8_TOL = 5e-2  # one fp8 GEMM alone is ~3.7e-2 on Gaussian data
 
 
 def _need(backend: str) -> None:

@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import harness_core as core
 import harness as report
+import harness_core as core
 
 
 def test_relative_error():
@@ -159,7 +159,8 @@ def test_markdown_section_and_record_append(tmp_path):
     report.write_record(section, "TestGPU", tmp_path / "performance")
     text = record.read_text()
     assert record.name == "TestGPU.md"
-    assert text.startswith("# Performance on TestGPU") and text.count("## TestGPU") == 1 and text.count("## Method") == 1
+    assert text.startswith("# Performance on TestGPU")
+    assert text.count("## TestGPU") == 1 and text.count("## Method") == 1
     assert report.draw_forward_chart(store, tmp_path / "forward.png")
 
 

@@ -3,7 +3,7 @@
 On CPU the MLP takes the plain path (the kernel needs CUDA; the reason is reported by
 ``gelu_quant_capability``). The kernel's own logic (indexing, masking of the ragged row, bias, scale)
 runs here under Triton's interpreter in a subprocess; the interpreter truncates fp32 -> bf16 casts
-(docs/experiments/attention.md), which the reference there mirrors. The GPU check of the rounding
+(a CPU study of the attention kernels found it), which the reference there mirrors. The GPU check of the rounding
 itself is in tests/gpu/test_fp8_backends.py.
 """
 
