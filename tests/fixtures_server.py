@@ -73,7 +73,7 @@ def guarded_server(base: Path, comfyui_version: str) -> ComfyServer:
 
 @pytest.fixture(scope="session")
 def comfy(tmp_path_factory: pytest.TempPathFactory, comfyui_version: str) -> Iterator[ComfyServer]:
-    """One ComfyUI server per version for the session, with the tiny checkpoints in its model folders."""
+    """One ComfyUI server per version for the whole test run, with the tiny checkpoints in its model folders."""
     from fixtures_models import install_tiny_models
 
     base = tmp_path_factory.mktemp(f"comfy-{comfyui_version}")

@@ -8,7 +8,7 @@ by node, input by input (exceptions: tests/browser/frontend.py, UI_ONLY_INPUTS /
 Run queues it, the server finishes it, and its output images (and for the benchmark the table text)
 appear in the page. A failure keeps a screenshot and the console log under test-artifacts/browser/.
 
-The server is the session's ``emulating_comfy`` (tests/fixtures_server.py), shared with
+The server is the test run's ``emulating_comfy`` (tests/fixtures_server.py), shared with
 tests/integration/test_workflows.py: with its LRU cache, whichever of the two queues a workflow second
 completes from the cache in seconds. Alone, a cold run takes minutes (the benchmark about 4).
 """

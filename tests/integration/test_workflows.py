@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from workflows import PRESETS, to_api, widget_values  # noqa: E402
 
 WORKFLOWS = sorted(p().name for p in PRESETS)
-# emulating_comfy: a session fixture in tests/fixtures_server.py, shared with tests/browser.
+# emulating_comfy: a fixture shared by the whole test run, in tests/fixtures_server.py, shared with tests/browser.
 
 
 def test_api_twins_and_ui_files_match_their_source():

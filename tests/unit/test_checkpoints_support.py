@@ -1,6 +1,6 @@
 """Shared helpers for the checkpoint tests (this module holds no tests).
 
-* :func:`tiny` writes tiny checkpoints once per (layout, variant) per session;
+* :func:`tiny` writes tiny checkpoints once per (layout, variant) per test run;
 * :func:`comfy` imports ComfyUI's modules (``QWEN_EDIT_COMFYUI_DIR``, default
   ``.testenv/comfyui``) for building its real classes on ``meta``;
 * :func:`keys_and_shapes` lists a module's state-dict without allocating.
@@ -25,7 +25,7 @@ _TINY: dict[tuple[str, str], dict[str, Any]] = {}
 
 
 def tiny(layout: str, variant: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Tiny checkpoints of ``layout`` / ``variant``, written once per test session. Treat as read-only."""
+    """Tiny checkpoints of ``layout`` / ``variant``, written once per test run. Treat as read-only."""
     from qwen_edit_hopper.qwen_edit.tiny import write_tiny_checkpoints
 
     if not COMFY_TOKENIZER_DIR.is_dir():
