@@ -200,7 +200,8 @@ def test_summary_and_table_of_a_run():
 
 def test_record_rewrites_the_cards_product_path_file(tmp_path):
     results = {"plan": "p", "description": "d", "date": "2026-11-26 10:00 UTC", "commit": "abc",
-               "comfyui_version": "0.33.0", "sizes": "full", "device": "gpu", "card": {"name": "NVIDIA H200"},
+               "comfyui_version": "0.33.0", "sizes": "full", "device": "gpu",
+               "card": {"name": "NVIDIA H200", "memory": "143771 MiB", "driver": "580.159.04"},
                "files": {"dit": "d", "text_encoder": "t", "vae": "v"}, "servers": []}
     path = tmp_path / "results.json"
     path.write_text(json.dumps(results))
