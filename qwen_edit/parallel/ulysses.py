@@ -29,8 +29,9 @@ def padded_length(length: int, degree: int) -> int:
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """Chunk i of dim 0 goes to rank i; the result's chunk j came from rank j (same shape)."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    x = x.contiguous()
+    out = torch.empty_like(x)  # contiguous too: the collective writes rank-major chunks
+    dist.all_to_all_single(out, x, group=group)
     return out
 
 

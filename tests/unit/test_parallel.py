@@ -32,7 +32,8 @@ def _livened(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, p in sorted(state.items()):
         if p.ndim >= 2:
             q = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1])
-            q = q * (2.0 if ("_mod." in name or "norm_out" in name) else 1.0) * (0.2 if name.startswith("img_in") else 1)
+            q = q * (2.0 if ("_mod." in name or "norm_out" in name) else 1.0)
+            q = q * (0.2 if name.startswith("img_in") else 1.0)
         elif "norm" in name:
             q = 1.5 * (1 + 0.2 * torch.randn(p.shape, generator=g))
         else:
@@ -99,18 +100,18 @@ def test_cfg_parallel_equals_one_process_bit_for_bit(plan, edit, one_process):
 
 
 def test_interrupt_stops_every_rank_and_the_group_stays(plan, edit, one_process):
-    class Stop(Exception):
+    class StopError(Exception):
         pass
 
     calls = {"steps": 0}
 
     def check():
         if calls["steps"] >= 1:
-            raise Stop("interrupted by the user")
+            raise StopError("interrupted by the user")
 
     callbacks = Callbacks(on_step=lambda done, total, lat: calls.__setitem__("steps", done), check_interrupt=check)
     engine = engine_for(ParallelChoice(cfg=2), "cpu", DTYPE)
-    with pytest.raises(Stop):
+    with pytest.raises(StopError):
         _run(plan, edit, ParallelChoice(cfg=2), callbacks)
     again, latents, _ = _run(plan, edit, ParallelChoice(cfg=2))  # the same workers run the next edit
     assert again is engine and engine.alive and torch.equal(latents, one_process)
@@ -144,7 +145,7 @@ def test_layouts_that_cannot_run_are_refused_naming_the_input():
         ParallelChoice(ulysses=3)
     with pytest.raises(ParallelInputError, match="ulysses: 4 does not divide the model's 2 attention heads"):
         ParallelChoice(ulysses=4).check(heads=2, available=8)
-    with pytest.raises(ParallelInputError, match="gpus: .* needs 8 GPUs .* sees 2"):
+    with pytest.raises(ParallelInputError, match=r"gpus: .* needs 8 GPUs .* sees 2"):
         ParallelChoice(cfg=2, ulysses=4).check(heads=24, available=2)
     with pytest.raises(ParallelInputError, match="gpus: 1 devices listed"):
         ParallelChoice(cfg=2, gpus=(0,))
