@@ -47,7 +47,7 @@ def calibrate(plan: PipePlan, dit: Resident, request: EditRequest, conditioning:
 
 def attention_backend(plan: PipePlan) -> str:
     """The plan's attention backend name for ``fp8.attention`` ("auto" is PyTorch SDPA's own choice)."""
-    return "sdpa" if plan.attention == "auto" else plan.attention
+    return plan.attention_backend
 
 
 def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbacks: Callbacks | None = None,

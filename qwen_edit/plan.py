@@ -108,6 +108,11 @@ class PipePlan:
         return dataclasses.replace(self, parallel=None if choice is None or choice.world == 1 else choice)
 
     @property
+    def attention_backend(self) -> str:
+        """The backend name for ``fp8.attention`` ("auto" is PyTorch SDPA's own choice)."""
+        return "sdpa" if self.attention == "auto" else self.attention
+
+    @property
     def lightning_steps(self) -> int | None:
         """Steps of the last Lightning LoRA with non-zero strength, if any."""
         steps = [lora.lightning_steps for lora in self.loras if lora.lightning_steps and lora.strength != 0]

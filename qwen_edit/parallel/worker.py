@@ -83,7 +83,6 @@ class _Interrupts:
 
 def _run_job(job: dict, runtime, groups: RankGroups, conn, device: torch.device) -> tuple[torch.Tensor, list[str]]:
     from ..compile import compiled_forward_context
-    from ..edit import attention_backend
 
     plan: PipePlan = job["plan"]
     conditioning: Conditioning = job["conditioning"]
@@ -108,7 +107,7 @@ def _run_job(job: dict, runtime, groups: RankGroups, conn, device: torch.device)
         latents = parallel_denoise(job["request"], conditioning, dit=dit.prepared, variant=plan.variant,
                                    device=device, dtype=runtime.dtype,
                                    callbacks=Callbacks(on_step=on_step, check_interrupt=interrupts.check),
-                                   groups=groups, attention=attention_backend(plan), options=plan.forward)
+                                   groups=groups, attention=plan.attention_backend, options=plan.forward)
     if dit.prepared.last_plan is not None:
         notes.append(dit.prepared.last_plan.summary())
     return latents, notes
