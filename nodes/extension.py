@@ -15,7 +15,8 @@ class QwenEditExtension(ComfyExtension):
         from .compile_model import CompileModel
         from .fuse_lora import FuseLoRA
         from .load_qwen_edit import LoadQwenEdit
+        from .parallel import Parallel
         from .sampler import QwenEditSampler
 
         register_model_folders()
-        return [LoadQwenEdit, FuseLoRA, ApplyFP8, CompileModel, QwenEditSampler, Benchmark]
+        return [LoadQwenEdit, FuseLoRA, ApplyFP8, CompileModel, Parallel, QwenEditSampler, Benchmark]

@@ -177,6 +177,10 @@ class QwenEditSampler(io.ComfyNode):
         if "gpu_peak_bytes" in timings.extra:
             lines.append(f"GPU memory (PyTorch's allocator): peak {timings.extra['gpu_peak_bytes'] / 2**30:.2f} GiB "
                          f"during this prompt, {timings.extra['gpu_held_bytes'] / 2**30:.2f} GiB held after it")
+        if "parallel" in timings.extra:
+            lines.append(f"parallel: {timings.extra['parallel']} (workers started in "
+                         f"{timings.extra['parallel_start_s']:.2f} s this prompt)")
+            lines.extend(timings.extra["parallel_notes"])
         if "calibration" in timings.extra:
             lines.append(timings.extra["calibration"])
         if "kernels" in timings.extra:

@@ -15,11 +15,12 @@ from .runtime import PlanRuntime
 from .sampling import Callbacks, Conditioning, EditRequest, EditSampler, Timings, _sync, make_scheduler
 
 
-def needs_calibration(plan: PipePlan, dit: Resident) -> bool:
-    """DelayedScaling TE layers start with unit scales: they need one calibration pass first."""
+def needs_calibration(plan: PipePlan, dit: Resident | None) -> bool:
+    """DelayedScaling TE layers start with unit scales: they need one calibration pass first (``dit`` None: a model
+    not built yet)."""
     fp8 = plan.fp8
     return (fp8 is not None and fp8.backend == "te" and fp8.te_recipe.name == "delayed"
-            and not dit.extra.get("calibrated"))
+            and (dit is None or not dit.extra.get("calibrated")))
 
 
 def calibrate(plan: PipePlan, dit: Resident, request: EditRequest, conditioning: Conditioning,
@@ -46,7 +47,7 @@ def calibrate(plan: PipePlan, dit: Resident, request: EditRequest, conditioning:
 
 def attention_backend(plan: PipePlan) -> str:
     """The plan's attention backend name for ``fp8.attention`` ("auto" is PyTorch SDPA's own choice)."""
-    return "sdpa" if plan.attention == "auto" else plan.attention
+    return plan.attention_backend
 
 
 def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbacks: Callbacks | None = None,
@@ -82,6 +83,9 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
     timings.encode_s, timings.encode_cached = time.perf_counter() - started, cached
 
     callbacks.check_interrupt()
+    if plan.parallel is not None:
+        latents = _denoise_parallel(runtime, plan, request, conditioning, callbacks, timings)
+        return _decode(runtime, plan, request, conditioning, latents, sampler, timings)
     dit = runtime.dit(plan)
     runtime.use([dit])
     if "cuda_graphs" in dit.extra:
@@ -112,8 +116,46 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
     timings.extra["step_s"] = step_times
     timings.extra["graphs_compiled"] = compiled_graph_count() - graphs_before
 
-    check_latents(latents, plan=plan, conditioning=conditioning, cfg=request.cfg)
     callbacks.check_interrupt()
+    return _decode(runtime, plan, request, conditioning, latents, sampler, timings)
+
+
+def _denoise_parallel(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, conditioning: Conditioning,
+                      callbacks: Callbacks, timings: Timings) -> torch.Tensor:
+    """The denoising loop on the plan's parallel workers (:mod:`.parallel.engine`); latents on this device."""
+    from .parallel.engine import engine_for
+    from .parallel.worker import job
+
+    if needs_calibration(plan, None):
+        raise ValueError("fp8: Transformer Engine's delayed scaling needs a calibration pass, which the parallel "
+                         "workers do not run; use another fp8 recipe, or one GPU (parallel: off)")
+    step_times: list[float] = []
+    last = [time.perf_counter()]
+
+    def on_step(done: int, total: int, latents: torch.Tensor) -> None:
+        now = time.perf_counter()
+        step_times.append(now - last[0])
+        last[0] = now
+        callbacks.on_step(done, total, latents)
+
+    started = last[0] = time.perf_counter()
+    engine = engine_for(plan.parallel, runtime.device.type, runtime.dtype)
+    timings.extra["parallel_start_s"] = time.perf_counter() - started
+    started = last[0] = time.perf_counter()
+    latents, notes = engine.run(job(plan, request, conditioning),
+                                Callbacks(on_step=on_step, check_interrupt=callbacks.check_interrupt))
+    timings.denoise_s = time.perf_counter() - started
+    timings.extra["step_s"] = step_times
+    timings.extra["graphs_compiled"] = 0
+    timings.extra["parallel"] = plan.parallel.describe()
+    timings.extra["parallel_notes"] = notes
+    return latents.to(runtime.device)
+
+
+def _decode(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, conditioning: Conditioning,
+            latents: torch.Tensor, sampler: EditSampler, timings: Timings) -> tuple[torch.Tensor, Timings]:
+    device = runtime.device
+    check_latents(latents, plan=plan, conditioning=conditioning, cfg=request.cfg)
     vae = runtime.vae(plan)
     runtime.use([vae])
     started = time.perf_counter()

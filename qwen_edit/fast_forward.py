@@ -40,6 +40,7 @@ attention flag (use ``attention_backend="triton_fp8"``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -54,6 +55,7 @@ from .fast.options import SHIPPED, ForwardOptions
 from .fast.prepared import PreparedDit
 from .fast.qkv import FUSED_QKV_PATTERN, fuse_qkv
 from .fast.text import batch_prompts, text_lengths
+from .parallel.ulysses import SequenceShards, padded_length
 
 __all__ = [
     "FUSED_QKV_PATTERN",
@@ -172,6 +174,7 @@ def fast_model_fn(
     text_padding: str = "split",
     edit_rope_interpolation: bool = False,
     options: ForwardOptions = SHIPPED,
+    sequence_shards: SequenceShards | None = None,
     **ignored,
 ) -> torch.Tensor:
     """DiffSynth's ``model_fn_qwen_image`` for batch B >= 1: the DiT's velocity prediction.
@@ -195,6 +198,11 @@ def fast_model_fn(
         edit_rope_interpolation: DiffSynth's option of the same name.
         options: the fused kernels the forward may use (:class:`ForwardOptions`; :func:`kernel_plan` says which
             run).
+        sequence_shards: None, or this rank's place in a Ulysses sequence-parallel group
+            (:class:`..parallel.ulysses.SequenceShards`): every rank of the group calls with the same arguments, each
+            runs the blocks on its slice of the tokens, the attention over all of them (two all-to-alls per block),
+            and every rank returns the whole prediction (one all-gather). Runs kernel by kernel (no CUDA graphs),
+            ``text_padding="split"`` only, the last block untrimmed; ``cudnn_fp8`` through its generic call.
         ignored: other ``model_fn_qwen_image`` arguments that do not change the result here
             (``progress_id``, ``use_gradient_checkpointing``, ...); features it does not support raise.
 
@@ -218,7 +226,8 @@ def fast_model_fn(
                             forward_shape(latents, timestep, prompt_emb, refs, zero_cond_t, text_padding),
                             latents.device)
     graphs = prepared.graphs
-    if graphs is not None and latents.is_cuda and not torch.cuda.is_current_stream_capturing():
+    if (graphs is not None and sequence_shards is None and latents.is_cuda
+            and not torch.cuda.is_current_stream_capturing()):
         if text_padding == "split" and txt_seq_lens is None and prompt_emb_mask is not None:
             txt_seq_lens = prepared.text_lengths(prompt_emb_mask)  # on the host, before anything is captured
         inputs = {"latents": latents, "timestep": timestep, "prompt_emb": prompt_emb,
@@ -229,13 +238,13 @@ def fast_model_fn(
                     "txt_seq_lens": None if txt_seq_lens is None else tuple(int(n) for n in txt_seq_lens)}
         return graphs.run(prepared.module, lambda module, **kw: _forward(prepared, **kw), inputs, settings)
     return _forward(prepared, latents, timestep, prompt_emb, prompt_emb_mask, height, width, refs, zero_cond_t,
-                    attention_backend, txt_seq_lens, text_padding, edit_rope_interpolation, plan)
+                    attention_backend, txt_seq_lens, text_padding, edit_rope_interpolation, plan, sequence_shards)
 
 
 def _forward(prepared: PreparedDit, latents: torch.Tensor, timestep: torch.Tensor, prompt_emb: torch.Tensor,
              prompt_emb_mask: torch.Tensor, height: int, width: int, edit_latents: list[torch.Tensor] | None,
              zero_cond_t: bool, attention_backend: str, txt_seq_lens: Sequence[int] | None, text_padding: str,
-             edit_rope_interpolation: bool, plan: KernelPlan) -> torch.Tensor:
+             edit_rope_interpolation: bool, plan: KernelPlan, shards: SequenceShards | None = None) -> torch.Tensor:
     """The forward of :func:`fast_model_fn` (arguments checked here, except the unsupported ones)."""
     dit = prepared.module
     if text_padding not in TEXT_PADDING_MODES:
@@ -278,7 +287,8 @@ def _forward(prepared: PreparedDit, latents: torch.Tensor, timestep: torch.Tenso
     conditioning = dit.time_text_embed(t, image.dtype, addition_t_cond=extra)
     text = dit.txt_in(dit.txt_norm(prompt_emb))
 
-    cos, sin = prepared.rope_tables(img_shapes, text_len, device, interpolation=edit_rope_interpolation)
+    table_len = text_len if shards is None else padded_length(text_len, shards.degree)
+    cos, sin = prepared.rope_tables(img_shapes, table_len, device, interpolation=edit_rope_interpolation)
     selector = prepared.target_selector(target_tokens, image_tokens, device) if zero_cond_t else None
     key_mask = carriers = None
     if text_padding == "mask":
@@ -290,6 +300,14 @@ def _forward(prepared: PreparedDit, latents: torch.Tensor, timestep: torch.Tenso
     else:
         lens = _resolve_lengths(prepared, prompt_emb_mask, batch, text_len, txt_seq_lens)
         carriers = None if lens is None else length_carriers(lens, device)
+    sequence = None
+    if shards is not None:
+        if key_mask is not None:
+            raise ValueError("text_padding='mask' cannot run under sequence parallel; use text_padding='split'")
+        lens = lens or (text_len,) * batch
+        image, text, cos, sin, selector, valid = shards.shard_forward(image, text, cos, sin, selector, lens)
+        carriers = length_carriers(lens, device)
+        sequence = (shards, valid)
 
     # img_in / txt_in outputs are views (F.linear on 3-D input); block outputs are not. Dynamo guards views
     # on their base, so the first block would get a graph of its own: hand it fresh tensors (one small copy).
@@ -301,13 +319,15 @@ def _forward(prepared: PreparedDit, latents: torch.Tensor, timestep: torch.Tenso
     mark = compiled is not None and compiled.marks_sequence_dynamic
     if mark:
         mark_sequence_dynamic((cos, 0), (sin, 0), (selector, 1), (key_mask, 3),
-                              *((c, 0) for c in carriers or ()))
+                              *((c, 0) for c in carriers or ()), *(() if sequence is None else ((sequence[1], 0),)))
     mods = block_modulations(prepared.modulation_groups(), temb_img, temb_txt) if plan.shared_modulation else None
     last = len(dit.transformer_blocks) - 1
-    target = length_carriers((target_tokens,), device)[0] if plan.trim_last_block else None
+    target = length_carriers((target_tokens,), device)[0] if plan.trim_last_block and shards is None else None
     if mark:
         mark_sequence_dynamic((target, 0))
     kernels = plan.block
+    if shards is not None:  # cudnn_fp8's fused quantization kernels feed its own joint-sequence call, not the exchange
+        kernels = dataclasses.replace(kernels, qk_quant=False, v_quant=False, joint_v_gemm=False)
     streaming = prepared.streaming
     for i, block in enumerate(dit.transformer_blocks):
         if mark:
@@ -317,10 +337,13 @@ def _forward(prepared: PreparedDit, latents: torch.Tensor, timestep: torch.Tenso
             streaming.onload(block)
         image, text = block_fn(block, image, text, temb_img, temb_txt, cos, sin, selector, carriers, key_mask,
                                attention_backend, kernels, None if mods is None else mods[i],
-                               target if i == last else None)
+                               target if i == last else None, sequence)
         if streamed:
             streaming.offload(block)
 
     out_cond = conditioning[: conditioning.shape[0] // 2] if zero_cond_t else conditioning
+    if shards is not None:  # every rank's output rows (the small proj_out output), then the target's
+        image = shards.gather(dit.proj_out(dit.norm_out(image, out_cond)), 1)[:, :target_tokens]
+        return _unpatchify(image, h, w)
     image = dit.proj_out(dit.norm_out(image[:, :target_tokens], out_cond))
     return _unpatchify(image, h, w)

@@ -17,6 +17,7 @@ from typing import Any
 
 from .checkpoints.variants import RELEASE_BY_PLAN_VALUE, RELEASES, ReleaseFacts
 from .fast.options import SHIPPED, ForwardOptions
+from .parallel.layout import ParallelChoice
 
 
 class Variant(str, enum.Enum):
@@ -103,6 +104,8 @@ class PipePlan:
     forward: ForwardOptions = SHIPPED
     host_blocks: int = 0
     """DiT blocks kept in page-locked host memory and copied to the GPU for each forward (0: all on the GPU)."""
+    parallel: ParallelChoice | None = None
+    """The GPUs one edit runs on, CFG-parallel and Ulysses degrees (:mod:`.parallel`); None: this process's device."""
 
     def with_lora(self, lora: LoraChoice) -> PipePlan:
         return dataclasses.replace(self, loras=(*self.loras, lora))
@@ -115,6 +118,14 @@ class PipePlan:
 
     def with_forward(self, options: ForwardOptions) -> PipePlan:
         return dataclasses.replace(self, forward=options)
+
+    def with_parallel(self, choice: ParallelChoice | None) -> PipePlan:
+        return dataclasses.replace(self, parallel=None if choice is None or choice.world == 1 else choice)
+
+    @property
+    def attention_backend(self) -> str:
+        """The backend name for ``fp8.attention`` ("auto" is PyTorch SDPA's own choice)."""
+        return "sdpa" if self.attention == "auto" else self.attention
 
     @property
     def lightning_steps(self) -> int | None:
@@ -131,6 +142,8 @@ class PipePlan:
         lines.append(f"fast forward options: {self.forward.describe()}")
         if self.host_blocks:
             lines.append(f"DiT blocks in host memory: the last {self.host_blocks}, copied to the GPU each forward")
+        if self.parallel is not None:
+            lines.append(f"parallel: {self.parallel.describe()}")
         return "\n".join(lines)
 
     def short_label(self, dtype_label: str = "bf16") -> str:
@@ -151,4 +164,6 @@ class PipePlan:
             parts.append("options: " + ", ".join(self.forward.differences()))
         if self.host_blocks:
             parts.append(f"{self.host_blocks} blocks in host memory")
+        if self.parallel is not None:
+            parts.append(f"cfg {self.parallel.cfg} x ulysses {self.parallel.ulysses}")
         return " + ".join(parts)

@@ -171,6 +171,7 @@ def fast_block(
     kernels: BlockKernels,
     mods: tuple[torch.Tensor, torch.Tensor] | None = None,
     target: torch.Tensor | None = None,
+    sequence: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One ``QwenImageTransformerBlock`` forward; returns ``(image, text)`` (DiffSynth returns ``(text, image)``).
 
@@ -197,6 +198,12 @@ def fast_block(
             only the first T image tokens of each sample (the target image) after this block, so only those go
             through the output projection and the MLP, the cuDNN FP8 attention computes only their query rows,
             and the text stream is returned as it came in (nothing reads it). Exact for the rows returned.
+        sequence: None, or Ulysses sequence parallel: ``(shards, image_valid)``, a
+            :class:`...parallel.ulysses.SequenceShards` and the (N, 0) size carrier of the valid image tokens in all
+            shards. ``image`` and ``text`` are then this rank's shards (``cos``/``sin``/``selector`` rows too, and
+            ``txt_lens`` is given); the attention runs over the whole sequence after an all-to-all (any backend;
+            ``cudnn_fp8`` through ``fp8.attention``'s generic call, its quantization not folded into the block).
+            ``key_mask`` and ``target`` must be None.
 
     Returns:
         ``(image, text)`` with the input shapes and dtypes; with ``target``, image (B, T, D) and the input text.
@@ -220,7 +227,7 @@ def fast_block(
                             kernels, norms)
     txt_x = modulated_input(text, block.txt_norm1.eps, txt_mod, 0, 1, txt_p[0], txt_p[1], None, txt_fp8, kernels,
                             norms)
-    if backend in ("cudnn_fp8", "cudnn_fp8_emulated") and key_mask is None:
+    if backend in ("cudnn_fp8", "cudnn_fp8_emulated") and key_mask is None and sequence is None:
         # The QKV biases go into the fused QK and v kernels instead of a pass of their own.
         v_gemm = norms and all(isinstance(x, Prequantized) and x.norms is not None for x in (img_x, txt_x))
         (q_i, k_i, *v_i), (bq_i, bk_i, *bv_i) = _qkv_unbiased(attn, img_qkv[:2] if v_gemm else img_qkv, img_x,
@@ -245,8 +252,11 @@ def fast_block(
                        qk_norm_rope(q_t, attn.norm_added_q.weight, attn.norm_added_q.eps, cos_t, sin_t)], dim=1)
         k = torch.cat([qk_norm_rope(k_i, attn.norm_k.weight, attn.norm_k.eps, cos_i, sin_i),
                        qk_norm_rope(k_t, attn.norm_added_k.weight, attn.norm_added_k.eps, cos_t, sin_t)], dim=1)
-        out = joint_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), si, txt_lens, key_mask,
-                              backend)
+        if sequence is None:
+            out = joint_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), si, txt_lens, key_mask,
+                                  backend)
+        else:
+            out = sequence[0].attention(q, k, v, si, sequence[1], txt_lens, backend)
     kept = None if target is None else target.shape[0]
     img_attn, txt_attn = split_output(out, si, kept)
     if kept is not None:  # the last block: only the target tokens' image stream is read after it

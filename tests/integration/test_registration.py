@@ -10,6 +10,7 @@ CATEGORY = "Qwen Edit Hopper"
 EXPECTED_NODES = {
     "QwenEditHopper_Load": "Load Qwen Edit",
     "QwenEditHopper_Sampler": "Qwen Edit Sampler",
+    "QwenEditHopper_Parallel": "Qwen Edit Parallel",
 }
 
 
