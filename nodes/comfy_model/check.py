@@ -34,7 +34,11 @@ def qwen_diffusion_model(model, input_name: str = "model") -> torch.nn.Module:
     if foreign:
         raise ComfyModelError(f"{input_name}: the MODEL already carries object patch(es) {', '.join(foreign)} from "
                               "another node; connect this node directly after the loader / LoRA nodes")
-    module = model.get_model_object("diffusion_model")
+    return check_qwen_class(model.get_model_object("diffusion_model"), input_name)
+
+
+def check_qwen_class(module, input_name: str = "model") -> torch.nn.Module:
+    """``module`` if it is ComfyUI's Qwen-Image DiT class, else ComfyModelError naming the class it is."""
     cls = type(module)
     if cls.__name__ != QWEN_CLASS or cls.__module__ != QWEN_MODULE:
         raise ComfyModelError(f"{input_name}: the MODEL holds {cls.__module__}.{cls.__name__}; these nodes know only "

@@ -222,3 +222,23 @@ def test_refusals_name_what_they_cannot_honour(comfy):
             hooked.model.diffusion_model.transformer_blocks[0].attn.to_k.weight.data.to(torch.float8_e4m3fn))
     with pytest.raises(ComfyModelError, match=r"float8_e4m3fn.*weight_dtype"):
         fp8_model(hooked, _config())
+
+
+def test_the_nodes_take_a_model_and_return_one_for_ksampler(comfy):
+    from qwen_edit_hopper.nodes.apply_fp8 import ApplyFP8
+    from qwen_edit_hopper.nodes.common import NodeInputError
+    from qwen_edit_hopper.nodes.compile_model import CompileModel
+
+    base = _patcher(comfy)
+    widgets = dict(backend="scaled_mm_rowwise", te_recipe="current", fp8_format="E4M3", amax_history_len=16,
+                   amax_compute_algo="max", layers="attn+mlp", modulation="fp8 storage")
+    out = ApplyFP8.execute(**widgets, where_unsupported="emulate", model=base, attention="cudnn_fp8")
+    pipe, report, model = out.args
+    assert pipe is None and "EMULATED" in report and "cudnn_fp8_emulated" in report
+    compiled = CompileModel.execute(mode="default", dynamic=True, warmup=True, warmup_size=256, model=model).args
+    assert compiled[0] is None and "CUDA graphs: not on a ComfyUI MODEL" in compiled[1]
+    assert 1e-4 < _rel(_sample(comfy, model), _sample(comfy, base)) < 6e-2
+    with pytest.raises(NodeInputError, match="connect exactly one"):
+        ApplyFP8.execute(**widgets, where_unsupported="emulate")
+    with pytest.raises(NodeInputError, match=r"attention: triton_fp8 cannot run here"):
+        ApplyFP8.execute(**widgets, where_unsupported="emulate", model=base, attention="triton_fp8")
