@@ -230,8 +230,8 @@ def test_the_nodes_take_a_model_and_return_one_for_ksampler(comfy):
     from qwen_edit_hopper.nodes.compile_model import CompileModel
 
     base = _patcher(comfy)
-    widgets = dict(backend="scaled_mm_rowwise", te_recipe="current", fp8_format="E4M3", amax_history_len=16,
-                   amax_compute_algo="max", layers="attn+mlp", modulation="fp8 storage")
+    widgets = {"backend": "scaled_mm_rowwise", "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
+               "amax_compute_algo": "max", "layers": "attn+mlp", "modulation": "fp8 storage"}
     out = ApplyFP8.execute(**widgets, where_unsupported="emulate", model=base, attention="cudnn_fp8")
     pipe, report, model = out.args
     assert pipe is None and "EMULATED" in report and "cudnn_fp8_emulated" in report
