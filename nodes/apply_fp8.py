@@ -13,6 +13,8 @@ BACKENDS = ["scaled_mm_rowwise", "te", "scaled_mm_tensorwise", "weight_only"]
 TE_RECIPES = ["current", "delayed", "block", "mxfp8", "nvfp4"]
 MODULATION = ["fp8 storage", "bf16"]
 GEMM_KERNELS = ["cublaslt", "torch"]
+COMFY_ATTENTION = "comfyui"
+MODEL_ATTENTION = [COMFY_ATTENTION, "cudnn_fp8", "sdpa", "sdpa_cudnn", "sdpa_flash", "flash_attn", "triton_fp8"]
 
 
 def build_config(backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation,
@@ -61,7 +63,8 @@ class ApplyFP8(io.ComfyNode):
             "(compute capability 8.9+, Hopper for speed) except weight_only; refused with the reason otherwise, "
             "never a quiet bf16 fallback. LoRAs are always fused before this step.",
             inputs=[
-                PIPE.Input("pipe", tooltip="Pipe from Load Qwen Edit or Fuse LoRA."),
+                PIPE.Input("pipe", optional=True,
+                           tooltip="Pipe from Load Qwen Edit or Fuse LoRA (or connect model instead)."),
                 io.Combo.Input(
                     "backend",
                     options=BACKENDS,
@@ -129,19 +132,29 @@ class ApplyFP8(io.ComfyNode):
                     "Hopper and cuBLASLt 12.9+. torch: torch._scaled_mm. Other backends ignore it.",
                 ),
                 where_unsupported_input(),
+                io.Model.Input("model", optional=True,
+                               tooltip="Instead of pipe: ComfyUI's own Qwen-Image(-Edit) MODEL (UNETLoader, "
+                               "LoraLoaderModelOnly, ...). Returns a MODEL for KSampler with the same FP8 layers; "
+                               "LoRAs on it are applied to the bf16 weights before quantization."),
+                io.Combo.Input("attention", options=MODEL_ATTENTION, default=COMFY_ATTENTION, optional=True,
+                               tooltip="MODEL input only: the attention the MODEL runs. comfyui: ComfyUI's own "
+                               "(unchanged); cudnn_fp8: cuDNN FP8 attention (Hopper, the fastest); the others as on "
+                               "Load Qwen Edit. The pipe's attention is chosen on Load Qwen Edit."),
             ],
             outputs=[
                 PIPE.Output(
                     "pipe_out", display_name="pipe", tooltip="A new pipe with FP8 (the input pipe is unchanged)."
                 ),
                 io.String.Output("report", tooltip="Converted and skipped layers with reasons."),
+                io.Model.Output("model_out", display_name="model",
+                                tooltip="With a MODEL input: a new MODEL with FP8 layers (the input is unchanged)."),
             ],
         )
 
     @classmethod
     def validate_inputs(
         cls, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation, fast_accum,
-        gemm_kernel="cublaslt", where_unsupported=REFUSE,
+        gemm_kernel="cublaslt", where_unsupported=REFUSE, attention=COMFY_ATTENTION,
     ):
         from ..fp8 import check_backend, preset_names
 
@@ -150,7 +163,8 @@ class ApplyFP8(io.ComfyNode):
                                 amax_compute_algo=(amax_compute_algo, ["max", "most_recent"]),
                                 layers=(layers, preset_names()), modulation=(modulation, MODULATION),
                                 gemm_kernel=(gemm_kernel, GEMM_KERNELS),
-                                where_unsupported=(where_unsupported, WHERE_UNSUPPORTED))
+                                where_unsupported=(where_unsupported, WHERE_UNSUPPORTED),
+                                attention=(attention, MODEL_ATTENTION))
         if problem:
             return problem
         try:
@@ -168,19 +182,23 @@ class ApplyFP8(io.ComfyNode):
 
     @classmethod
     def execute(
-        cls, pipe, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation,
-        fast_accum=True, gemm_kernel="cublaslt", where_unsupported=REFUSE,
+        cls, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation,
+        fast_accum=True, gemm_kernel="cublaslt", where_unsupported=REFUSE, model=None, attention=COMFY_ATTENTION,
+        pipe=None,
     ) -> io.NodeOutput:
         from ..fp8 import plan_linears
         from ..qwen_edit.checkpoints.shapes import dit_on_meta
         from ..qwen_edit.fast.qkv import fused_in_plan
 
-        if not isinstance(pipe, PipePlan):
-            raise NodeInputError("pipe: expected the output of Load Qwen Edit")
+        require_one_input(pipe, model)
         config, note = build_config(
             backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation, fast_accum,
             gemm_kernel, where_unsupported,
         )
+        if model is not None:
+            return model_fp8(model, config, note, attention, where_unsupported)
+        if not isinstance(pipe, PipePlan):
+            raise NodeInputError("pipe: expected the output of Load Qwen Edit")
         decisions = plan_linears(dit_on_meta(pipe.files), config)
         lines = [f"FP8: {config.describe()}", *([note] if note else [])]
         counts: dict[str, int] = {}
@@ -197,4 +215,48 @@ class ApplyFP8(io.ComfyNode):
             shown = ", ".join(names[:4]) + (f" ... (+{len(names) - 4})" if len(names) > 4 else "")
             lines.append(f"{action} ({reason}): {shown}")
         info = "\n".join(lines)
-        return io.NodeOutput(pipe.with_fp8(config), info, ui=ui.PreviewText(info))
+        return io.NodeOutput(pipe.with_fp8(config), info, None, ui=ui.PreviewText(info))
+
+
+def model_fp8(model, config, note: str, attention: str, where_unsupported: str) -> io.NodeOutput:
+    """Apply TE-FP8 on a ComfyUI MODEL: a clone with the fp8 copy of its DiT and, if chosen, the pack's attention."""
+    from .comfy_model.attention import set_attention
+    from .comfy_model.check import ComfyModelError
+    from .comfy_model.fp8_model import fp8_model
+
+    attention, attention_note = model_attention(attention, where_unsupported)
+    try:
+        clone, held = fp8_model(model, config)
+    except ComfyModelError as error:
+        raise NodeInputError(str(error)) from error
+    if attention != COMFY_ATTENTION:
+        set_attention(clone, attention)
+    lines = [f"FP8 on ComfyUI's Qwen-Image MODEL: {held.report.summary()}", *([note] if note else []),
+             f"attention: {attention}" + (f" ({attention_note})" if attention_note else ""),
+             "LoRA patches on FP8 layers: applied to the bf16 weights, then quantized, when ComfyUI loads the model"]
+    for action, name, reason, count in held.report.grouped():
+        lines.append(f"{action} ({reason}): {name}" + (f" x{count}" if count > 1 else ""))
+    info = "\n".join(lines)
+    return io.NodeOutput(None, info, clone, ui=ui.PreviewText(info))
+
+
+def model_attention(attention: str, where_unsupported: str) -> tuple[str, str]:
+    """(backend to run, note): the pack's backend, its emulation under where_unsupported emulate, or a refusal."""
+    from ..fp8.attention import attention_capability
+
+    if attention == COMFY_ATTENTION:
+        return attention, ""
+    capability = attention_capability(attention, mm.get_torch_device())
+    if capability.ok:
+        return attention, ""
+    if attention == "cudnn_fp8" and where_unsupported == EMULATE:
+        return "cudnn_fp8_emulated", f"EMULATED: cudnn_fp8 cannot run here ({capability.reason})"
+    raise NodeInputError(f"attention: {attention} cannot run here: {capability.reason}"
+                         + (" (where_unsupported emulate runs cudnn_fp8 emulated)" if attention == "cudnn_fp8" else ""))
+
+
+def require_one_input(pipe, model) -> None:
+    """Exactly one of the node's pipe and model inputs is connected (NodeInputError otherwise)."""
+    if (pipe is None) == (model is None):
+        raise NodeInputError("pipe / model: connect exactly one: a pipe from Load Qwen Edit, or a ComfyUI MODEL "
+                             "(UNETLoader, LoraLoaderModelOnly, ...)")

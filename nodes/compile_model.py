@@ -28,7 +28,8 @@ class CompileModel(io.ComfyNode):
             "are graph inputs, so LoRA or strength changes never recompile; PyTorch's compile caches make a "
             "restart's first compile fast. Works on top of every FP8 backend (Transformer Engine layers run eager).",
             inputs=[
-                PIPE.Input("pipe", tooltip="Pipe from Load Qwen Edit, Fuse LoRA or Apply TE-FP8."),
+                PIPE.Input("pipe", optional=True,
+                           tooltip="Pipe from Load Qwen Edit, Fuse LoRA or Apply TE-FP8 (or connect model instead)."),
                 io.Combo.Input(
                     "mode",
                     options=CHOICES,
@@ -68,6 +69,10 @@ class CompileModel(io.ComfyNode):
                     "graph keeps one forward's working memory reserved. Weights that move (a LoRA swapped, "
                     "offload) drop the graphs; they are captured again.",
                 ),
+                io.Model.Input("model", optional=True,
+                               tooltip="Instead of pipe: ComfyUI's own Qwen-Image(-Edit) MODEL (after Apply TE-FP8 or "
+                               "not). Returns a MODEL whose transformer blocks run compiled on KSampler's first step "
+                               "(warmup and cuda_graphs do not apply to a MODEL)."),
             ],
             outputs=[
                 PIPE.Output(
@@ -76,6 +81,8 @@ class CompileModel(io.ComfyNode):
                     tooltip="A new pipe that runs compiled (the input pipe is unchanged).",
                 ),
                 io.String.Output("info", tooltip="Compile settings, compile time and cache hits."),
+                io.Model.Output("model_out", display_name="model",
+                                tooltip="With a MODEL input: a new MODEL that runs compiled (the input is unchanged)."),
             ],
         )
 
@@ -84,9 +91,13 @@ class CompileModel(io.ComfyNode):
         return check_choices(mode=(mode, CHOICES)) or True
 
     @classmethod
-    def execute(cls, pipe, mode, dynamic, warmup, warmup_size, cuda_graphs=False) -> io.NodeOutput:
+    def execute(cls, mode, dynamic, warmup, warmup_size, cuda_graphs=False, model=None, pipe=None) -> io.NodeOutput:
         from ..qwen_edit.compile import compiled_forward_context, inductor_cache_counters, warmup_inputs
+        from .apply_fp8 import require_one_input
 
+        require_one_input(pipe, model)
+        if model is not None:
+            return model_compile(model, mode, dynamic, bool(cuda_graphs))
         if not isinstance(pipe, PipePlan):
             raise NodeInputError("pipe: expected the output of Load Qwen Edit")
         choice = CompileChoice(mode=mode, dynamic=dynamic, cuda_graphs=bool(cuda_graphs))
@@ -118,7 +129,32 @@ class CompileModel(io.ComfyNode):
                 " compile)"
             )
         info = "\n".join(lines)
-        return io.NodeOutput(plan, info, ui=ui.PreviewText(info))
+        return io.NodeOutput(plan, info, None, ui=ui.PreviewText(info))
+
+
+MODEL_CUDA_GRAPHS = ("not on a ComfyUI MODEL: KSampler calls the model through ComfyUI's own Python (CFG batching, "
+                     "wrappers, memory manager) which may move weights between calls; whole-forward graphs run on the "
+                     "pack's own Sampler")
+
+
+def model_compile(model, mode: str, dynamic: bool, cuda_graphs: bool) -> io.NodeOutput:
+    """Compile Model on a ComfyUI MODEL: a clone whose transformer blocks run compiled (regional compile)."""
+    from .comfy_model.check import ComfyModelError, check_qwen_class
+    from .comfy_model.compile import set_compile
+
+    try:
+        if not hasattr(model, "get_model_object"):
+            raise ComfyModelError(f"model: expected a ComfyUI MODEL, got {type(model).__name__}")
+        check_qwen_class(model.get_model_object("diffusion_model"))
+    except ComfyModelError as error:
+        raise NodeInputError(str(error)) from error
+    clone = model.clone()
+    set_compile(clone, mode, dynamic)
+    lines = [f"compile: mode {mode}, dynamic {dynamic}, regional (each transformer block of the MODEL compiled; one "
+             "graph for all), on KSampler's first step; LoRA strength changes write new values, no recompile",
+             "CUDA graphs: " + ("requested, but " if cuda_graphs else "") + MODEL_CUDA_GRAPHS]
+    info = "\n".join(lines)
+    return io.NodeOutput(None, info, clone, ui=ui.PreviewText(info))
 
 
 def cuda_graphs_note(requested: bool, device) -> str:

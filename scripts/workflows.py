@@ -56,8 +56,8 @@ OUTPUTS = {
     "LoadImage": [("IMAGE", "IMAGE"), ("MASK", "MASK")],
     "QwenEditHopper_Load": [("pipe", "QWEN_EDIT"), ("info", "STRING")],
     "QwenEditHopper_FuseLoRA": [("pipe", "QWEN_EDIT"), ("report", "STRING")],
-    "QwenEditHopper_ApplyFP8": [("pipe", "QWEN_EDIT"), ("report", "STRING")],
-    "QwenEditHopper_Compile": [("pipe", "QWEN_EDIT"), ("info", "STRING")],
+    "QwenEditHopper_ApplyFP8": [("pipe", "QWEN_EDIT"), ("report", "STRING"), ("model", "MODEL")],
+    "QwenEditHopper_Compile": [("pipe", "QWEN_EDIT"), ("info", "STRING"), ("model", "MODEL")],
     "QwenEditHopper_Sampler": [("image", "IMAGE"), ("info", "STRING")],
     "QwenEditHopper_Benchmark": [("chart", "IMAGE"), ("table", "STRING")],
     "SaveImage": [],
@@ -66,8 +66,8 @@ OUTPUTS = {
 }
 LINK_INPUTS = {
     "QwenEditHopper_FuseLoRA": [("pipe", "QWEN_EDIT")],
-    "QwenEditHopper_ApplyFP8": [("pipe", "QWEN_EDIT")],
-    "QwenEditHopper_Compile": [("pipe", "QWEN_EDIT")],
+    "QwenEditHopper_ApplyFP8": [("pipe", "QWEN_EDIT"), ("model", "MODEL")],
+    "QwenEditHopper_Compile": [("pipe", "QWEN_EDIT"), ("model", "MODEL")],
     "QwenEditHopper_Sampler": [("pipe", "QWEN_EDIT"), ("image", "IMAGE"), ("image_2", "IMAGE"),
                                ("image_3", "IMAGE")],
     "QwenEditHopper_Benchmark": [("pipe_1", "QWEN_EDIT"), ("image", "IMAGE"), ("pipe_2", "QWEN_EDIT"),
@@ -130,7 +130,7 @@ def _fp8(node_id: int, pos, pipe: tuple[int, int], backend: str, layers: str = "
     return Node(node_id, "QwenEditHopper_ApplyFP8", {
         "backend": backend, "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
         "amax_compute_algo": "max", "layers": layers, "modulation": "fp8 storage", "fast_accum": True,
-        "gemm_kernel": "cublaslt", "where_unsupported": "refuse",
+        "gemm_kernel": "cublaslt", "where_unsupported": "refuse", "attention": "comfyui",
     }, links={"pipe": pipe}, pos=pos)
 
 

@@ -1,0 +1,56 @@
+"""Regional ``torch.compile`` of a ComfyUI Qwen-Image MODEL: an ``APPLY_MODEL`` wrapper on the clone.
+
+Each transformer block of whatever ``diffusion_model`` runs (ComfyUI's, or the fp8 copy of :mod:`.fp8_model`) is
+swapped for its ``torch.compile``-d module for the duration of one ``apply_model`` call and put back after (the
+pattern of ComfyUI's ``comfy_api.torch_helpers.set_torch_compile_wrapper``, but on the blocks that run now, so an
+object-patched fp8 copy is the one compiled). All blocks share one code object, so Inductor compiles one graph
+for them; weights are graph inputs, so new values (a LoRA strength change) never recompile.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+WRAPPER_KEY = "qwen_edit_hopper.compile"
+
+
+class CompiledBlocks:
+    """APPLY_MODEL wrapper: runs ``diffusion_model.transformer_blocks`` compiled (mode, dynamic)."""
+
+    def __init__(self, mode: str, dynamic: bool):
+        self.mode = None if mode == "default" else mode
+        self.dynamic = dynamic
+        self.compile_kwargs: dict = {}
+        self._compiled: dict[int, tuple[torch.nn.Module, torch.nn.Module]] = {}
+
+    def compiled(self, block: torch.nn.Module) -> torch.nn.Module:
+        entry = self._compiled.get(id(block))
+        if entry is None or entry[0] is not block:
+            entry = (block, torch.compile(block, mode=self.mode, dynamic=self.dynamic, **self.compile_kwargs))
+            self._compiled[id(block)] = entry
+        return entry[1]
+
+    def __call__(self, executor, *args, **kwargs):
+        blocks = executor.class_obj.diffusion_model.transformer_blocks
+        originals = list(blocks)
+        try:
+            for i, block in enumerate(originals):
+                blocks[i] = self.compiled(block)
+            return executor(*args, **kwargs)
+        finally:
+            for i, block in enumerate(originals):
+                blocks[i] = block
+
+
+def set_compile(model, mode: str, dynamic: bool) -> CompiledBlocks:
+    """Add the regional-compile wrapper to ``model`` (a ComfyUI MODEL clone, changed in place)."""
+    from comfy.patcher_extension import WrappersMP
+
+    wrapper = CompiledBlocks(mode, dynamic)
+    model.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+    model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, wrapper)
+    return wrapper
