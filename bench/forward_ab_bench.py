@@ -17,7 +17,7 @@ Each variant's kernel plan (which kernels ran, which were left out and why) is p
 whole-forward relative error against bf16 eager. Run from the repo root on an H100 / H200 (JSON in
 ``$OUT/forward_ab.json``)::
 
-    source bench/device_env.sh && python3 bench/forward_ab_bench.py [--set main] [--out DIR] [--rounds N]
+    source bench/prepare_device.sh --device && python3 bench/forward_ab_bench.py [--set main] [--out DIR] [--rounds N]
 """
 
 from __future__ import annotations

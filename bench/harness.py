@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Qwen-Image-Edit on one Hopper GPU: every preset of this pack and the anchors, measured in one run.
 
-Run from the repository root on the device machine (after ``source bench/device_env.sh``)::
+Run from the repository root on the device machine (after ``source bench/prepare_device.sh --device``)::
 
     python3 bench/harness.py [--part forward|cfg|resolution|e2e|linear|all] [--only PATTERN] [--out DIR]
 
@@ -30,12 +30,12 @@ Carry ``.whl`` and ``.comfy_src`` (ComfyUI's source; ``COMFY_DIR`` overrides) wi
 ``.tew`` with the call that builds Transformer Engine (after the Transformer Engine wheel parts
 are on the machine, /root/tec)::
 
-    1. source bench/device_env.sh && python3 bench/harness.py --part forward,cfg \
+    1. source bench/prepare_device.sh --device && python3 bench/harness.py --part forward,cfg \
            --only 'ds/*,comfy/*,torchao/*' --budget-s 450
-    2. source bench/device_env.sh && python3 bench/harness.py --part forward,cfg,resolution \
+    2. source bench/prepare_device.sh --device && python3 bench/harness.py --part forward,cfg,resolution \
            --only 'fast/*' --budget-s 540
     3. (copy call 2's results.json to bench/prior/call2.json here first: --fastest auto picks from it)
-       source bench/device_env.sh && python3 bench/harness.py --part e2e,linear --prior bench/prior \
+       source bench/prepare_device.sh --device && python3 bench/harness.py --part e2e,linear --prior bench/prior \
            --budget-s 540
     4. only if the budget left measurements out: ... --retry-from bench/prior (their ids are re-selected)
 
