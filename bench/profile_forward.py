@@ -12,7 +12,8 @@ Variants (``--options``, each ``shipped``, ``unfused`` or ``shipped-without:FIEL
 shipped, unfused again for the clock drift over the run) with ``--attention`` (default ``cudnn_fp8``; several
 backends: the shipped options with each). Run from the repo root on an H100/H200::
 
-    source bench/prepare_device.sh --device && python3 bench/profile_forward.py [--options shipped shipped-without:joint_v_gemm]
+    source bench/prepare_device.sh --device
+    python3 bench/profile_forward.py [--options shipped shipped-without:joint_v_gemm]
 """
 
 from __future__ import annotations
