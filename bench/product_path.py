@@ -17,8 +17,9 @@ random-weight ones). Jobs are queued over HTTP one after another:
 
 A job spec is ``name[:option[:option...]][*repeat]``; options: ``vary`` (new prompt text), ``lora=4|8`` (which
 Lightning LoRA file), ``strength=X``, ``graphs=off`` (CUDA graphs off in the Compile node), ``compile`` (core),
-``seed=N``. Plans (``--plan``; ``plan NAME`` prints one) are lists of servers, each with its arguments, its
-Inductor/Triton caches (fresh empty folders, or the previous server's) and its jobs.
+``seed=N``, ``host_blocks=N`` (the Load node's DiT blocks kept in host memory). Plans (``--plan``; ``plan NAME``
+prints one) are lists of servers, each with its arguments, its Inductor/Triton caches (fresh empty folders, or the
+previous server's) and its jobs.
 
 Recorded per job (``results.json``, rewritten after every job): queue-to-image seconds (the POST to ComfyUI's own
 ``execution_success`` timestamp) and execution seconds; the Qwen Edit Sampler's reported stages (prompt encoding,
@@ -232,7 +233,7 @@ def parse_jobs(spec: str) -> list[Job]:
         options = {}
         for opt in opts:
             key, _, value = opt.partition("=")
-            if key not in ("vary", "lora", "strength", "graphs", "compile", "seed"):
+            if key not in ("vary", "lora", "strength", "graphs", "compile", "seed", "host_blocks"):
                 raise ValueError(f"job {item!r}: unknown option {key!r}")
             options[key] = value
         count = int(repeat) if repeat else 1
@@ -392,6 +393,8 @@ def shipped_prompt(job: Job, files: ModelFiles, seed: int, text: str | None, tin
         inputs, kind = node["inputs"], node["class_type"]
         if kind == "QwenEditHopper_Load":
             inputs.update(diffusion_model=files.dit, text_encoder=files.text_encoder, vae=files.vae)
+            if "host_blocks" in job.options:
+                inputs["host_blocks"] = int(job.options["host_blocks"])
         elif kind == "QwenEditHopper_FuseLoRA":
             steps = int(job.options.get("lora") or (8 if "8steps" in inputs["lora_name"] else 4))
             if steps not in files.loras:
