@@ -211,6 +211,20 @@ def make_scheduler(name: str, steps: int, width: int, height: int):
     return scheduler
 
 
+
+def start_denoising(request: EditRequest, conditioning: Conditioning, variant: Variant, device: torch.device,
+                    dtype: torch.dtype) -> tuple[object, torch.Tensor, dict]:
+    """What every denoising loop starts from: the request's scheduler, its seeded initial noise (1, 16, H/8, W/8)
+    in ``dtype`` on ``device`` (drawn on the CPU, so every device and rank gets the same noise), and the forward's
+    arguments shared by both CFG branches (output size, reference latents, 2511's zero-timestep flag)."""
+    scheduler = make_scheduler(request.scheduler, request.steps, request.width, request.height)
+    generator = torch.Generator("cpu").manual_seed(request.seed)
+    latents = torch.randn((1, 16, request.height // 8, request.width // 8), generator=generator,
+                          dtype=dtype).to(device)
+    shared = {"height": request.height, "width": request.width, "edit_latents": conditioning.edit_latents,
+              "zero_cond_t": variant.zero_cond_t}
+    return scheduler, latents, shared
+
 class EditSampler:
     """Runs edits with given components; owns the conditioning cache.
 
@@ -266,12 +280,7 @@ class EditSampler:
                 return fast_model_fn(attention_backend=attention, options=options, **kwargs)
         elif isinstance(dit, PreparedDit):
             dit = dit.module
-        scheduler = make_scheduler(request.scheduler, request.steps, request.width, request.height)
-        generator = torch.Generator("cpu").manual_seed(request.seed)
-        latents = torch.randn((1, 16, request.height // 8, request.width // 8), generator=generator,
-                              dtype=dtype).to(device)
-        shared = {"height": request.height, "width": request.width, "edit_latents": conditioning.edit_latents,
-                  "zero_cond_t": variant.zero_cond_t}
+        scheduler, latents, shared = start_denoising(request, conditioning, variant, device, dtype)
         total = len(scheduler.timesteps)
         batched = batched_cfg and conditioning.negative is not None
         if batched:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..fast.options import SHIPPED, ForwardOptions
 from ..plan import Variant
-from ..sampling import Callbacks, Conditioning, EditRequest, make_scheduler
+from ..sampling import Callbacks, Conditioning, EditRequest, start_denoising
 from .layout import RankPlace
 from .ulysses import SequenceShards
 
@@ -43,12 +43,7 @@ def parallel_denoise(request: EditRequest, conditioning: Conditioning, *, dit, v
     """
     from ..fast_forward import fast_model_fn
 
-    scheduler = make_scheduler(request.scheduler, request.steps, request.width, request.height)
-    generator = torch.Generator("cpu").manual_seed(request.seed)
-    latents = torch.randn((1, 16, request.height // 8, request.width // 8), generator=generator,
-                          dtype=dtype).to(device)
-    shared = {"height": request.height, "width": request.width, "edit_latents": conditioning.edit_latents,
-              "zero_cond_t": variant.zero_cond_t}
+    scheduler, latents, shared = start_denoising(request, conditioning, variant, device, dtype)
     split_cfg = groups.cfg is not None and conditioning.negative is not None
     prompt = conditioning.negative if split_cfg and groups.place.cfg_rank == 1 else conditioning.positive
     total = len(scheduler.timesteps)
