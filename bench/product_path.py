@@ -315,16 +315,20 @@ class MemorySampler:
         return self._last_before(self.gpu, t)
 
     def gpu_window(self, t0: float, t1: float, t_after: float) -> dict[str, float | None]:
-        """MiB used: the last sample before ``t0``, the peak in [t0, t1], the last sample at ``t_after``."""
+        """MiB used: the last sample before ``t0``, the peak in [t0, max(t1, t_after)] (so it bounds the held
+        reading), the last sample at ``t_after``."""
         if not self.gpu:
             return {}
+        t1 = max(t1, t_after)
         return {"before_MiB": self._last_before(self.gpu, t0), "peak_MiB": self._peak(self.gpu, t0, t1),
                 "held_MiB": self._last_before(self.gpu, t_after)}
 
     def anon_window(self, t0: float, t1: float, t_after: float) -> dict[str, float | None]:
-        """GiB of the server's RssAnon: before, peak, after; and the peak of its process tree's."""
+        """GiB of the server's RssAnon: before, peak (up to the after reading, which it bounds), after; and the
+        peak of its process tree's."""
         if not self.anon:
             return {}
+        t1 = max(t1, t_after)
         gib = lambda v: None if v is None else round(v / GIB, 3)  # noqa: E731
         return {"before_GiB": gib(self._last_before(self.anon, t0)), "peak_GiB": gib(self._peak(self.anon, t0, t1)),
                 "after_GiB": gib(self._last_before(self.anon, t_after)),
