@@ -119,7 +119,8 @@ IMAGE_SHOWN_JS = """([nodeId, filename]) => {
 
 TEXT_SHOWN_JS = """([nodeId, needle]) => {
   const node = window.app.graph.getNodeById(nodeId) ?? window.app.graph.getNodeById(String(nodeId));
-  const widget = (node?.widgets || []).find(w => w.name === 'preview');
+  // PreviewAny's display widget: 'preview' in frontend 1.32, 'preview_text' in 1.49
+  const widget = (node?.widgets || []).find(w => w.name === 'preview' || w.name === 'preview_text');
   if (!widget) return false;
   const shown = widget.element ? (widget.element.innerText || widget.element.value || '') : '';
   return String(widget.value ?? '').includes(needle) && (!widget.element || shown.length > 0);
