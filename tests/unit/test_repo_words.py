@@ -1,7 +1,7 @@
 """The repository speaks of itself only, and its docs point at files that exist.
 
-(a) No word about how the work was organised: "session" appears only as pytest's fixture scope
-    (``scope="session"``) and subprocess's ``start_new_session``; no "the lead", no "sitting".
+(a) No word about how the work was organised: the words NARRATION matches appear only inside pytest's fixture
+    scope (``scope="session"``) and subprocess's ``start_new_session``.
 (b) No reference to files outside the repository (a shared folder, notes kept elsewhere).
 (c) Every repository path that README.md and docs/ mention (``bench/harness.py``, relative links such as
     ``decisions/README.md``) exists.
