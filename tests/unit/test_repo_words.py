@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,14 +29,21 @@ REPO_PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(TOP_LEVEL) + r")/[\w./-]*[
 MARKDOWN_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 
 
+def _candidates() -> list[Path]:
+    """The repository's files: what git tracks or would add (ignored folders such as runs/ left out); without git,
+    every file outside :data:`SKIPPED_DIRS`."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                capture_output=True, check=True, timeout=60).stdout.decode()
+        return [ROOT / name for name in listed.split("\0") if name]
+    except (OSError, subprocess.SubprocessError):
+        return [path for path in ROOT.rglob("*")
+                if not any(part in SKIPPED_DIRS for part in path.relative_to(ROOT).parts[:-1])]
+
+
 def _text_files() -> list[Path]:
-    files = []
-    for path in ROOT.rglob("*"):
-        if any(part in SKIPPED_DIRS for part in path.relative_to(ROOT).parts[:-1]):
-            continue
-        if path.is_file() and (path.suffix in TEXT_SUFFIXES or path.name in ("LICENSE",)) and path != THIS:
-            files.append(path)
-    return files
+    return [path for path in _candidates()
+            if path.is_file() and (path.suffix in TEXT_SUFFIXES or path.name in ("LICENSE",)) and path != THIS]
 
 
 def _lines(path: Path):
