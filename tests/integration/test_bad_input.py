@@ -90,6 +90,24 @@ def test_path_outside_model_folders_is_unreachable(comfy, picture):
     assert "is not a pipeline folder" in message
 
 
+
+@pytest.mark.parametrize("host_blocks", [-1, 201])
+def test_host_blocks_out_of_range_is_refused(comfy, picture, baseline, host_blocks):
+    load = loader()
+    load["inputs"]["host_blocks"] = host_blocks
+    message = rejected(comfy, edit_prompt(picture, load=load))
+    assert "host_blocks" in message and str(host_blocks) in message
+    assert_server_still_works(comfy, picture, baseline)
+
+
+def test_host_blocks_on_the_cpu_says_nothing_is_streamed(comfy, picture, baseline):
+    load = loader()
+    load["inputs"]["host_blocks"] = 1
+    entry = comfy.run(edit_prompt(picture, load=load, seed=99, prefix="host_blocks"))
+    texts = " ".join(t for out in entry["outputs"].values() for t in out.get("text", []))
+    assert "host_blocks: the model runs on cpu" in texts and "nothing is streamed" in texts
+    assert_server_still_works(comfy, picture, baseline)
+
 def test_image_with_alpha(comfy, picture, baseline):
     prompt = edit_prompt(picture)
     prompt["5"] = {"class_type": "JoinImageWithAlpha", "inputs": {"image": ["1", 0], "alpha": ["1", 1]}}
