@@ -145,7 +145,7 @@ class BuiltDit:
 
 @torch.no_grad()
 def build_dit(source: DitSource, *, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
-              loras: LoraChain = (), fp8_config: Any = None,
+              loras: LoraChain = (), fp8_config: Any = None, host_blocks: int = 0,
               check_interrupt: Callable[[], None] = lambda: None) -> BuiltDit:
     """Build the DiT group by group (see the module docstring).
 
@@ -155,6 +155,11 @@ def build_dit(source: DitSource, *, device: torch.device | str, dtype: torch.dty
         dtype: compute dtype of the weights that stay high precision (bf16; float32 on CPU).
         loras: the LoRA chain, fused before quantization.
         fp8_config: an ``fp8.Fp8Config``, or None for the plain model in ``dtype``.
+        host_blocks: keep the last this many blocks in page-locked host memory (``model.layer_streaming``, a
+            ``streaming.LayerStreaming`` without hooks; the fast forward copies each to the device when it
+            runs). Each goes to host memory as soon as it is built, so the device never holds them all: the
+            build peaks at the device-resident blocks plus one block. CUDA devices only (ValueError
+            elsewhere, or for a count outside 0..num_layers).
         check_interrupt: called between groups (raises to stop); what was built is then dropped.
 
     Returns:
@@ -170,9 +175,12 @@ def build_dit(source: DitSource, *, device: torch.device | str, dtype: torch.dty
         from ..fp8 import require_backend
 
         require_backend(fp8_config, device)
+    streaming = _host_streaming(source, device, host_blocks)
+    first_host_block = source.config.num_layers - host_blocks
     model = create_dit(source.config)
     reports = []
     bytes_before = 0
+    fused_qkv = 0
     for group in source.groups():
         check_interrupt()
         tensors = _fused(source.read([group], device=device, dtype=dtype), loras)
@@ -181,25 +189,49 @@ def build_dit(source: DitSource, *, device: torch.device | str, dtype: torch.dty
         del tensors
         if fp8_config is not None:
             reports.append(_quantize_group(model, group, fp8_config))
+        if group == REST:
+            continue
+        index = int(group[len(BLOCKS) + 1:-1])
+        if fp8_config is not None:
+            from .fast.qkv import FP8_FUSED_STREAMS, fuse_block_fp8_qkv
+
+            fused_qkv += fuse_block_fp8_qkv(model.transformer_blocks[index], index, FP8_FUSED_STREAMS)
+        if streaming is not None and index >= first_host_block:
+            streaming.add(model.transformer_blocks[index])
     leftover = [name for name in find_meta_tensors(model) if not name.startswith("pos_embed")]
     if leftover:
         raise RuntimeError(f"{source.path.name}: the DiT still has meta tensors after loading: {leftover[:5]}")
-    model.to(device)
+    if streaming is not None:
+        streaming.place_rest(model)
+        model.layer_streaming = streaming
+    else:
+        model.to(device)
     model.requires_grad_(False)
     model.eval()
     report = None
     if fp8_config is not None:
         from ..fp8.swap import merge_reports, module_bytes
-        from .fast.qkv import FP8_FUSED_STREAMS, fuse_fp8_qkv
 
         report = merge_reports(reports, bytes_before, module_bytes(model))
-        model.fused_qkv_layers = fuse_fp8_qkv(model, FP8_FUSED_STREAMS)
+        model.fused_qkv_layers = fused_qkv
         model.fp8_report = report
         logger.info("fp8 DiT built from %s: %s; %d fused Q/K/V layers", source.path.name, report.counts,
                     model.fused_qkv_layers)
     seconds = time.perf_counter() - started
     logger.info("DiT from %s built group by group in %.1f s", source.path.name, seconds)
     return BuiltDit(model, report, seconds)
+
+
+def _host_streaming(source: DitSource, device: torch.device | str, host_blocks: int) -> Any:
+    """The ``LayerStreaming`` that receives the last ``host_blocks`` blocks, or None for 0."""
+    if not 0 <= host_blocks <= source.config.num_layers:
+        raise ValueError(f"host_blocks must be between 0 and the model's {source.config.num_layers} blocks, got "
+                         f"{host_blocks}")
+    if not host_blocks:
+        return None
+    from .streaming import LayerStreaming
+
+    return LayerStreaming(device, hooks=False)
 
 
 def _quantize_group(model: torch.nn.Module, group: str, fp8_config: Any):

@@ -9,8 +9,9 @@ the device. The weights never change, so nothing is copied back.
 Cost: one host-to-device copy of the units' bytes per forward (8 GB for the 7B text encoder in fp8: about
 0.3 s at PCIe 5 speed); device memory: the non-unit weights plus one unit.
 
-Host memory: one plain allocation holding every unit tensor back to back, page-locked with ``cudaHostRegister``
-(PyTorch's pinned-memory allocator rounds each block up to a power of two: up to twice the bytes).
+Host memory: one plain allocation per unit holding its tensors back to back, page-locked with
+``cudaHostRegister`` (PyTorch's pinned-memory allocator rounds each block up to a power of two: up to twice the
+bytes).
 
 Hardware: needs CUDA (page-locked memory); on other devices there is nothing to gain and :func:`stream_layers`
 is not used.
@@ -81,55 +82,71 @@ def _tensor_slots(module: nn.Module) -> list[tuple[nn.Module, str, bool]]:
 
 
 class LayerStreaming:
-    """Streams ``units`` of ``model`` from pinned host memory to ``device`` (see the module docstring).
+    """Streams units of a model from pinned host memory to ``device`` (see the module docstring).
+
+    Units are added one at a time (:meth:`add`), each into its own page-locked arena, so a builder can send a
+    unit to host memory as soon as it is made and the device never holds all of them at once;
+    :meth:`place_rest` then puts everything outside the units on the device. :func:`stream_layers` does both
+    for a model that already exists.
 
     Args:
-        model: the whole model; its weights may be anywhere (CPU or ``device``).
-        units: submodules of ``model`` run one after another.
         device: the CUDA device the model computes on.
         hooks: True: each unit is entered through its own ``forward``, and forward hooks copy it in and drop it;
             False: the caller brackets each use with :meth:`onload` / :meth:`offload` (a forward that calls a
             function on the unit's tensors instead of the unit).
 
-    After construction the units' tensors are pinned host tensors, everything else is on ``device``.
     ``host_bytes`` / ``device_bytes`` say how much lives where.
     """
 
-    def __init__(self, model: nn.Module, units: Sequence[nn.Module], device: torch.device | str, hooks: bool = True):
+    def __init__(self, device: torch.device | str, hooks: bool = True):
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"layer streaming needs a CUDA device, got {self.device}")
-        self.units = list(units)
+        self.hooks = hooks
+        self.units: list[nn.Module] = []
+        self.arenas: list[HostArena] = []
+        self._host: dict[int, list[tuple[nn.Module, str, bool, torch.Tensor]]] = {}
+        self._handles = []
+        self.host_bytes = 0
+        self.device_bytes = 0
+
+    @torch.no_grad()
+    def add(self, unit: nn.Module) -> None:
+        """Move ``unit``'s tensors (on any device) into a new pinned arena; its old storage is freed once nothing
+        else refers to it."""
+        if id(unit) in self._host:
+            return
+        slots = _tensor_slots(unit)
+        arena = HostArena(_arena_bytes([getattr(owner, name) for owner, name, _ in slots]))
+        entries = []
+        for owner, name, is_param in slots:
+            host = arena.take(getattr(owner, name))
+            self._set(owner, name, is_param, host)
+            self.host_bytes += host.numel() * host.element_size()
+            entries.append((owner, name, is_param, host))
+        self._host[id(unit)] = entries
+        self.units.append(unit)
+        self.arenas.append(arena)
+        if self.hooks:
+            self._handles.append(unit.register_forward_pre_hook(lambda unit, _args: self.onload(unit)))
+            self._handles.append(unit.register_forward_hook(lambda unit, _args, _output: self.offload(unit)))
+
+    @torch.no_grad()
+    def place_rest(self, model: nn.Module) -> None:
+        """Put every tensor of ``model`` outside the units on the device (``device_bytes`` counts them)."""
         if not self.units:
             raise ValueError("layer streaming needs at least one unit")
         in_units = {id(m) for unit in self.units for m in unit.modules()}
-        self._host: dict[int, list[tuple[nn.Module, str, bool, torch.Tensor]]] = {}
-        self.host_bytes = 0
-        slots = {id(unit): _tensor_slots(unit) for unit in self.units}
-        self.arena = HostArena(_arena_bytes([getattr(o, n) for unit in slots.values() for o, n, _ in unit]))
-        with torch.no_grad():
-            for unit in self.units:
-                entries = []
-                for owner, name, is_param in slots[id(unit)]:
-                    host = self.arena.take(getattr(owner, name))
-                    self._set(owner, name, is_param, host)
-                    self.host_bytes += host.numel() * host.element_size()
-                    entries.append((owner, name, is_param, host))
-                self._host[id(unit)] = entries
-            self.device_bytes = 0
-            for owner in model.modules():
-                if id(owner) in in_units:
+        self.device_bytes = 0
+        for owner in model.modules():
+            if id(owner) in in_units:
+                continue
+            for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]:
+                if tensor is None:
                     continue
-                for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]:
-                    if tensor is None:
-                        continue
-                    if tensor.device != self.device:
-                        self._set(owner, name, name in owner._parameters, tensor.detach().to(self.device))
-                    self.device_bytes += tensor.numel() * tensor.element_size()
-        self._handles = []
-        for unit in self.units if hooks else ():
-            self._handles.append(unit.register_forward_pre_hook(lambda unit, _args: self.onload(unit)))
-            self._handles.append(unit.register_forward_hook(lambda unit, _args, _output: self.offload(unit)))
+                if tensor.device != self.device:
+                    self._set(owner, name, name in owner._parameters, tensor.detach().to(self.device))
+                self.device_bytes += tensor.numel() * tensor.element_size()
         logger.info("layer streaming: %d units, %.2f GiB in pinned host memory, %.2f GiB on %s", len(self.units),
                     self.host_bytes / 2**30, self.device_bytes / 2**30, self.device)
 
@@ -160,12 +177,16 @@ class LayerStreaming:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self.arena.release()
+        for arena in self.arenas:
+            arena.release()
 
 
 def stream_layers(model: nn.Module, units: Sequence[nn.Module], device: torch.device | str,
                   hooks: bool = True) -> LayerStreaming:
     """Stream ``units`` of ``model`` (see :class:`LayerStreaming`); kept on the model as ``layer_streaming``."""
-    streaming = LayerStreaming(model, units, device, hooks)
+    streaming = LayerStreaming(device, hooks)
+    for unit in units:
+        streaming.add(unit)
+    streaming.place_rest(model)
     model.layer_streaming = streaming
     return streaming

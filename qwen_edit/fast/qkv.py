@@ -101,6 +101,13 @@ def _fusable_fp8(layers: tuple[nn.Module | None, ...]) -> bool:
                  layer.bias is None, layer.weight.device) for layer in layers}) == 1
 
 
+def _check_streams(streams: tuple[str, ...]) -> None:
+    unknown = [stream for stream in streams if stream not in STREAM_LAYERS]
+    if unknown or isinstance(streams, str):
+        raise ValueError(f"fuse_fp8_qkv: streams must be a tuple of {', '.join(map(repr, STREAM_LAYERS))}, got "
+                         f"{streams!r}")
+
+
 @torch.no_grad()
 def fuse_fp8_qkv(dit: nn.Module, streams: tuple[str, ...] = FP8_FUSED_STREAMS) -> int:
     """After ``fp8.quantize_linears``: one row-wise fp8 Q/K/V layer per block for each of ``streams``.
@@ -115,32 +122,40 @@ def fuse_fp8_qkv(dit: nn.Module, streams: tuple[str, ...] = FP8_FUSED_STREAMS) -
         The number of fused layers created. The fused layer is ``ScaledMMLinear`` [3N, K] (rows q, k, v) with
         the three layers' scales and biases: each output column is computed as in its own layer.
     """
-    from ...fp8.linear import ScaledMMLinear
-
-    unknown = [stream for stream in streams if stream not in STREAM_LAYERS]
-    if unknown or isinstance(streams, str):
-        raise ValueError(f"fuse_fp8_qkv: streams must be a tuple of {', '.join(map(repr, STREAM_LAYERS))}, got "
-                         f"{streams!r}")
-    created = 0
-    for index, block in enumerate(dit.transformer_blocks):
-        attn = block.attn
-        for stream in streams:
-            names, fused_name = STREAM_LAYERS[stream]
-            layers = tuple(getattr(attn, name, None) for name in names)
-            if hasattr(attn, fused_name) or not _fusable_fp8(layers):
-                continue
-            first = layers[0]
-            bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
-            fused = ScaledMMLinear(
-                torch.cat([layer.weight for layer in layers]),
-                torch.cat([layer.weight_scale.reshape(-1, 1) for layer in layers]), bias, "rowwise", first.emulate,
-                f"transformer_blocks.{index}.attn.{fused_name}", first.fast_accum, first.gemm_kernel)
-            for name in names:
-                delattr(attn, name)
-            setattr(attn, fused_name, fused)
-            created += 1
+    _check_streams(streams)
+    created = sum(fuse_block_fp8_qkv(block, index, streams) for index, block in enumerate(dit.transformer_blocks))
     if created:
         logger.info("fuse_fp8_qkv: %d fused fp8 Q/K/V layers (%s)", created, ", ".join(streams))
+    return created
+
+
+@torch.no_grad()
+def fuse_block_fp8_qkv(block: nn.Module, index: int, streams: tuple[str, ...] = FP8_FUSED_STREAMS) -> int:
+    """:func:`fuse_fp8_qkv` for one block (``transformer_blocks[index]``); returns the layers created (0-2).
+
+    The DiT builder calls it as each block is quantized, so a block bound for host memory leaves the GPU in
+    its final form.
+    """
+    from ...fp8.linear import ScaledMMLinear
+
+    _check_streams(streams)
+    created = 0
+    attn = block.attn
+    for stream in streams:
+        names, fused_name = STREAM_LAYERS[stream]
+        layers = tuple(getattr(attn, name, None) for name in names)
+        if hasattr(attn, fused_name) or not _fusable_fp8(layers):
+            continue
+        first = layers[0]
+        bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
+        fused = ScaledMMLinear(
+            torch.cat([layer.weight for layer in layers]),
+            torch.cat([layer.weight_scale.reshape(-1, 1) for layer in layers]), bias, "rowwise", first.emulate,
+            f"transformer_blocks.{index}.attn.{fused_name}", first.fast_accum, first.gemm_kernel)
+        for name in names:
+            delattr(attn, name)
+        setattr(attn, fused_name, fused)
+        created += 1
     return created
 
 

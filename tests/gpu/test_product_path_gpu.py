@@ -154,29 +154,30 @@ def test_cuda_graphs_are_not_used_under_cuda_malloc_async_and_forwards_run(files
 @pytest.mark.parametrize("compiled", [False, True])
 def test_blocks_streamed_from_host_memory_give_the_same_output_and_hold_less(files, compiled):
     """The low VRAM workflow's host_blocks: the last blocks live in page-locked host memory and visit the GPU for
-    each forward; the output is the same bit for bit, the GPU holds about their bytes less, CUDA graphs are off."""
+    each forward; the output is the same bit for bit, the GPU holds about their bytes less (also at the build's
+    peak: a host block leaves the GPU as soon as it is built), CUDA graphs are off."""
     from qwen_edit_hopper.qwen_edit.compile import compiled_forward_context, set_regional_compile, warmup_inputs
     from qwen_edit_hopper.qwen_edit.fast.prepared import PreparedDit
     from qwen_edit_hopper.qwen_edit.fast_forward import fast_model_fn
     from qwen_edit_hopper.qwen_edit.memory import Resident
     from qwen_edit_hopper.qwen_edit.plan import CompileChoice
-    from qwen_edit_hopper.qwen_edit.runtime import stream_last_blocks
 
     config = Fp8Config(backend="weight_only")
     choice = CompileChoice(cuda_graphs=True) if compiled else None
-    outputs, held = [], []
-    for streamed in (0, 1):
+    outputs, held, build_peak = [], [], []
+    for streamed in (0, 2):  # both of the tiny DiT's blocks: one built while the other is already on the host
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        dit = build_dit(DitSource(files), device="cuda", dtype=torch.bfloat16, fp8_config=config).module
-        if streamed:
-            stream_last_blocks(dit, streamed, torch.device("cuda"))
+        torch.cuda.reset_peak_memory_stats()
+        dit = build_dit(DitSource(files), device="cuda", dtype=torch.bfloat16, fp8_config=config,
+                        host_blocks=streamed).module
         held.append(torch.cuda.memory_allocated() - before)
+        build_peak.append(torch.cuda.max_memory_allocated() - before)
         resident = Resident(key=("t", streamed), module=dit, nbytes=0, label="t",
                             prepared=PreparedDit(dit, getattr(dit, "layer_streaming", None)))
         set_regional_compile(resident, choice)
         if compiled and streamed:
-            assert resident.extra["cuda_graphs"].startswith("off: 1 blocks are streamed from host memory")
+            assert resident.extra["cuda_graphs"].startswith("off: 2 blocks are streamed from host memory")
         inputs = warmup_inputs(dit, 128, 128, device="cuda")
         with compiled_forward_context(choice), torch.no_grad():
             for _ in range(2):
@@ -186,3 +187,4 @@ def test_blocks_streamed_from_host_memory_give_the_same_output_and_hold_less(fil
         del dit, resident, out
     assert torch.equal(outputs[0], outputs[1])
     assert held[1] < held[0]
+    assert build_peak[1] < build_peak[0]
