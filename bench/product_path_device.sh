@@ -22,8 +22,8 @@
 #       given back 30 s after a call): what one call cannot carry within 64 MiB travels in an earlier one.
 #   bash bench/product_path_device.sh files [--dit fp8|bf16] [--tiny]
 #       only writes the files (needs .device/pack): an earlier call can spare a later one that minute.
-#   bash bench/product_path_device.sh gpu-test
-#       the same set-up for ComfyUI 0.3.75, then tests/gpu/test_product_path_tool_gpu.py.
+#   bash bench/product_path_device.sh gpu-test [TEST ...]
+#       the same set-up for ComfyUI 0.3.75, then the GPU tests named (default tests/gpu/test_product_path_tool_gpu.py).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
@@ -318,11 +318,12 @@ stash() {
   df -h "$STASH" | tail -1
 }
 
-gpu_test() {
+gpu_test() {  # gpu_test [TEST ...]: the GPU tests named (default: this tool's) with ComfyUI 0.3.75 set up
   OUT=${OUT:-$ROOT/runs/product-path-test}
   mkdir -p "$OUT"
   setup 0.3.75
-  $PY -m pytest -m gpu -p no:cacheprovider -q -rs tests/gpu/test_product_path_tool_gpu.py 2>&1 | tee "$OUT/pytest.log"
+  [ $# -gt 0 ] || set -- tests/gpu/test_product_path_tool_gpu.py
+  $PY -m pytest -m gpu -p no:cacheprovider -q -rs "$@" 2>&1 | tee "$OUT/pytest.log"
 }
 
 case ${1:-} in
@@ -331,6 +332,6 @@ case ${1:-} in
   run) shift; run "$@" ;;
   stash) stash ;;
   files) shift; files_only "$@" ;;
-  gpu-test) gpu_test ;;
+  gpu-test) shift; gpu_test "$@" ;;
   *) sed -n '2,26p' "$0"; exit 2 ;;
 esac
