@@ -464,6 +464,7 @@ STAGES = {
     "s_per_step": r"denoising: [0-9.]+ s \(([0-9.]+) s/step\)",
     "decode_s": r"VAE decode: ([0-9.]+) s",
     "total_s": r"total: ([0-9.]+) s",
+    "node_s": r"Sampler node: ([0-9.]+) s",
     "first_step_s": r"compiled: first step ([0-9.]+) s",
     "graphs_compiled": r"graphs compiled this run: (\d+)",
     "torch_peak_GiB": r"GPU memory \(PyTorch's allocator\): peak ([0-9.]+) GiB",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import comfy.model_management as mm
 import comfy.utils
@@ -143,6 +144,7 @@ class QwenEditSampler(io.ComfyNode):
         from ..qwen_edit.edit import run_edit
         from ..qwen_edit.sampling import Callbacks
 
+        started = time.perf_counter()
         if not isinstance(pipe, PipePlan):
             raise NodeInputError("pipe: expected the output of Load Qwen Edit")
         images = [tensor_to_pil(image, "image")]
@@ -164,11 +166,14 @@ class QwenEditSampler(io.ComfyNode):
                               check_interrupt=mm.throw_exception_if_processing_interrupted)
         rt = runtime()
         result, timings = run_edit(rt, pipe, request, callbacks)
+        node_s = time.perf_counter() - started
         lines = [size_note, *notes, f"steps: {steps}, cfg: {cfg:g}, seed: {seed}",
                  pipe.short_label(dtype_label(rt.dtype)), compute_note(rt.device, rt.dtype),
                  f"prompt encoding: {timings.encode_s:.2f} s{' (cached)' if timings.encode_cached else ''}",
                  f"denoising: {timings.denoise_s:.2f} s ({timings.denoise_s / steps:.3f} s/step)",
-                 f"VAE decode: {timings.decode_s:.2f} s", f"total: {timings.total_s:.2f} s"]
+                 f"VAE decode: {timings.decode_s:.2f} s", f"total: {timings.total_s:.2f} s",
+                 f"Sampler node: {node_s:.2f} s (the total plus {max(node_s - timings.total_s, 0):.2f} s of set-up: "
+                 "memory check, model look-ups, image conversion)"]
         if pipe.compile is not None:
             step_s = timings.extra["step_s"]
             lines.append(f"compiled: first step {step_s[0]:.2f} s (includes any compile), graphs compiled this run: "
