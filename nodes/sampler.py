@@ -173,7 +173,7 @@ class QwenEditSampler(io.ComfyNode):
                  f"denoising: {timings.denoise_s:.2f} s ({timings.denoise_s / steps:.3f} s/step)",
                  f"VAE decode: {timings.decode_s:.2f} s", f"total: {timings.total_s:.2f} s",
                  f"Sampler node: {node_s:.2f} s (the total plus {max(node_s - timings.total_s, 0):.2f} s of set-up: "
-                 "memory check, model look-ups, image conversion)"]
+                 "memory check, models loaded or looked up, image conversion)"]
         if pipe.compile is not None:
             step_s = timings.extra["step_s"]
             lines.append(f"compiled: first step {step_s[0]:.2f} s (includes any compile), graphs compiled this run: "

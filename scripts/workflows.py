@@ -120,7 +120,8 @@ def _sampler(node_id: int, pos, pipe: tuple[int, int], steps: int = 40, cfg: flo
 
 LOW_VRAM_HOST_BLOCKS = 24
 """DiT blocks the low VRAM workflow keeps in host memory: 7.6 GiB of fp8 weights off the GPU (measured on an H100
-through the server: warm prompts peak at 18.3 GiB on the card, 1.06 s per step against 0.98 with 10 blocks)."""
+through the server: prompts peak at 17.7-18.2 GiB on the card, the first one included, 1.04-1.05 s per step against
+0.98 with 10 blocks)."""
 
 FASTEST_LAYERS = "attn+mlp+mod compute"
 """Measured on an H200: faster than the default preset and more accurate

@@ -191,11 +191,23 @@ def test_summary_and_table_of_a_run():
     assert "skipped: no time" in table and "RuntimeError: boom line two" in table
     assert "first image after **85.0 s**" in table and "NVIDIA H100 80GB HBM3" in table
     checks = pp.targets([results])
-    assert "| 0.3.75 | warm fastest, queue to image <= 14.0 s (H100) | median 14.10 s | no |" in checks
+    assert ("| 0.3.75 | warm fastest, queue to image <= 14.0 s (H100), each prompt a new text (its encoding "
+            "included) | median 14.10 s | no |") in checks
     assert "| 0.3.75 | GPU peak of a fastest prompt <= 28 GiB (card; PyTorch's allocator) | 30.00 GiB; " in checks
     assert "empty Inductor cache <= 75 s | 85.0 s | no |" in checks
     assert "| a LoRA change: time, recompiles (none expected) | 3.0 s, graphs compiled 0 | yes |" in checks
-    assert "5 of 6 ok; core on cold: RuntimeError: boom line two | no |" in checks
+    # the pack's prompts and ComfyUI core's are counted apart
+    assert "| every prompt of the pack's workflows ran (failures by job) | 5 of 5 ok | yes |" in checks
+    assert ("| ComfyUI core's own prompts (for comparison) | 0 of 1 ok; core on cold: RuntimeError: boom line "
+            "two |") in checks
+    assert "above the idle server (fastest prompts) | 7.02 GiB | yes |" in checks
+    assert "the same during the pack's other workflows (low VRAM keeps DiT blocks in pinned host memory) | 7.00" \
+        in checks
+    # with prompts that change only the seed, the warm target is theirs, and new-text prompts get their own row
+    results["servers"][0]["jobs"].append(_job(8, "fastest", 13.5, 20480, 8.0))
+    checks = pp.targets([results])
+    assert "| 0.3.75 | warm fastest, queue to image <= 14.0 s (H100) | median 13.50 s | yes |" in checks
+    assert "| warm fastest with a new prompt text each time (its encoding included) | median 14.10 s |  |" in checks
 
 
 def test_record_rewrites_the_cards_product_path_file(tmp_path):
