@@ -4,14 +4,15 @@ The DiT is a full-size random-weight Qwen-Image-Edit-2509 file in Comfy-Org's fp
 bench/full_size_files.py's writer when the models folder lacks it, about a minute on a GPU), loaded through the
 pack's runtime as users load it, in the fastest preset (row-wise fp8 GEMMs with fast accumulation and cuBLASLt,
 cudnn_fp8 attention, regional compile; whole-forward CUDA graphs on one GPU and under CFG-parallel alone). The
-conditioning is random (prompts of 300 and 287 tokens, one reference at the output size): the text encoder and the
-VAE run in the driver either way and are not timed.
+conditioning is random (prompts of 300 and 287 tokens, ``--references`` references at the output size): the text
+encoder and the VAE run in the driver either way and are not timed.
 
 Per layout: one warm-up edit of 2 steps (loading, compile, graph capture: the workers' start is reported apart),
 then the timed edit: ``--steps`` steps, true CFG ``--cfg``. The one-GPU path runs its default, the two prompts as
 one batch-2 forward. ``rel diff`` compares the final latents with the one-GPU ones.
 
     python3 bench/parallel_bench.py MODELS [--layouts 1,cfg2,u2,cfg2xu2] [--size 1024] [--steps 40] [--cfg 4]
+                                           [--references 1]
     python3 bench/parallel_bench.py MODELS --tiny --layouts 1,cfg2     # the code path on the CPU, in seconds
 """
 
@@ -68,7 +69,8 @@ def make_plan(path: Path, tiny: bool) -> PipePlan:
                     compile=CompileChoice(cuda_graphs=True))
 
 
-def conditioning(text_dim: int, size: int, device: torch.device, dtype: torch.dtype) -> Conditioning:
+def conditioning(text_dim: int, size: int, device: torch.device, dtype: torch.dtype, references: int = 1
+                 ) -> Conditioning:
     g = torch.Generator("cpu").manual_seed(1)
 
     def prompt(n):
@@ -76,7 +78,8 @@ def conditioning(text_dim: int, size: int, device: torch.device, dtype: torch.dt
                 "prompt_emb_mask": torch.ones(1, n, dtype=torch.long, device=device)}
 
     return Conditioning(positive=prompt(300), negative=prompt(287),
-                        edit_latents=[torch.randn(1, 16, size // 8, size // 8, generator=g).to(device, dtype)])
+                        edit_latents=[torch.randn(1, 16, size // 8, size // 8, generator=g).to(device, dtype)
+                                      for _ in range(references)])
 
 
 def one_device(plan, request, cond, device, dtype) -> tuple[float, torch.Tensor]:
@@ -120,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--cfg", type=float, default=4.0)
+    parser.add_argument("--references", type=int, default=1, choices=(1, 2, 3),
+                        help="reference images, each at the output size (vLLM-Omni's published run: 2 at 1536, 35 "
+                        "steps)")
     parser.add_argument("--tiny", action="store_true", help="the tiny DiT on the CPU (checks the code path)")
     args = parser.parse_args(argv)
     names = args.layouts.split(",")
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     path = dit_file(args.models, args.tiny, device)
     plan = make_plan(path, args.tiny)
     text_dim = configs(TINY if args.tiny else FULL)[0].text_dim
-    cond = conditioning(text_dim, args.size, device, dtype)
+    cond = conditioning(text_dim, args.size, device, dtype, args.references)
     request = EditRequest(images=(), prompt="", negative_prompt="", seed=7, steps=args.steps, cfg=args.cfg,
                           width=args.size, height=args.size)
     card = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
@@ -156,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_engine()
     base = rows[0][2]
-    print(f"\n{args.size}x{args.size} edit, {args.steps} steps, true CFG {args.cfg:g}, "
+    print(f"\n{args.size}x{args.size} edit, {args.references} reference(s), {args.steps} steps, "
+          f"true CFG {args.cfg:g}, "
           f"{'tiny DiT fp32' if args.tiny else 'fastest preset (fp8 rowwise, cudnn_fp8, compiled)'}, {card}")
     print("| layout | GPUs | denoise s | s/step | speed-up | workers start s | rel diff |")
     print("|---|---:|---:|---:|---:|---:|---:|")

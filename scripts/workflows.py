@@ -58,6 +58,7 @@ OUTPUTS = {
     "QwenEditHopper_FuseLoRA": [("pipe", "QWEN_EDIT"), ("report", "STRING")],
     "QwenEditHopper_ApplyFP8": [("pipe", "QWEN_EDIT"), ("report", "STRING"), ("model", "MODEL")],
     "QwenEditHopper_Compile": [("pipe", "QWEN_EDIT"), ("info", "STRING"), ("model", "MODEL")],
+    "QwenEditHopper_Parallel": [("pipe", "QWEN_EDIT"), ("info", "STRING")],
     "QwenEditHopper_Sampler": [("image", "IMAGE"), ("info", "STRING")],
     "QwenEditHopper_Benchmark": [("chart", "IMAGE"), ("table", "STRING")],
     "SaveImage": [],
@@ -68,6 +69,7 @@ LINK_INPUTS = {
     "QwenEditHopper_FuseLoRA": [("pipe", "QWEN_EDIT")],
     "QwenEditHopper_ApplyFP8": [("pipe", "QWEN_EDIT"), ("model", "MODEL")],
     "QwenEditHopper_Compile": [("pipe", "QWEN_EDIT"), ("model", "MODEL")],
+    "QwenEditHopper_Parallel": [("pipe", "QWEN_EDIT")],
     "QwenEditHopper_Sampler": [("pipe", "QWEN_EDIT"), ("image", "IMAGE"), ("image_2", "IMAGE"),
                                ("image_3", "IMAGE")],
     "QwenEditHopper_Benchmark": [("pipe_1", "QWEN_EDIT"), ("image", "IMAGE"), ("pipe_2", "QWEN_EDIT"),
@@ -180,6 +182,18 @@ def preset_fastest() -> Workflow:
                      _save(6, (1680, 0), (5, 0), "qwen_edit_fastest")])
 
 
+def preset_fastest_2gpu() -> Workflow:
+    parallel = Node(5, "QwenEditHopper_Parallel", {"cfg_parallel": True, "ulysses": "1", "gpus": ""},
+                    links={"pipe": (4, 0)}, pos=(1260, 0))
+    return Workflow("qwen_edit_fastest_2gpu", "fastest on 2 GPUs",
+                    "The fastest preset with CFG-parallel: the prompt's and the negative prompt's forwards of each "
+                    "step on two GPUs of this host (one worker process each, one exchange per step).",
+                    [_image(), _loader(2, (0, 0), attention="cudnn_fp8"),
+                     _fp8(3, (420, 0), (2, 0), "scaled_mm_rowwise", FASTEST_LAYERS),
+                     _compile(4, (840, 0), (3, 0), cuda_graphs=True), parallel,
+                     _sampler(6, (1680, 0), (5, 0)), _save(7, (2100, 0), (6, 0), "qwen_edit_fastest_2gpu")])
+
+
 def preset_lora_fused() -> Workflow:
     return Workflow("qwen_edit_lora_fused", "LoRA fused",
                     "A LoRA fused into the bf16 weights (exactly removable), then FP8: fusion always comes first.",
@@ -222,8 +236,8 @@ def preset_benchmark() -> Workflow:
 
 
 PRESETS: list[Callable[[], Workflow]] = [
-    preset_bf16_baseline, preset_te_fp8, preset_fastest, preset_lora_fused, preset_lightning_4step,
-    preset_low_vram, preset_benchmark,
+    preset_bf16_baseline, preset_te_fp8, preset_fastest, preset_fastest_2gpu, preset_lora_fused,
+    preset_lightning_4step, preset_low_vram, preset_benchmark,
 ]
 
 

@@ -78,6 +78,10 @@ def test_every_api_twin_completes_and_writes_its_image(emulating_comfy: ComfySer
         assert "+ cudnn_fp8_emulated" in history  # the Sampler's label of the pipe it ran
         # the preset asks for CUDA graphs; on this CPU server the Compile node says they do not apply
         assert "CUDA graphs need a CUDA GPU, so forwards run kernel by kernel" in history
+    if name == "qwen_edit_fastest_2gpu":  # two gloo worker processes stand for the two GPUs, and the nodes say so
+        history = json.dumps(emulating_comfy.get("/history").json())
+        assert "no GPU here: 2 worker processes on the CPU" in history
+        assert "parallel: CFG-parallel 2 on 2 devices (0, 1)" in history
     print(f"{name}: {time.monotonic() - started:.1f} s")
 
 
