@@ -1142,7 +1142,7 @@ def targets(runs: list[dict[str, Any]]) -> str:
                          "yes" if j["stages"].get("graphs_compiled") == 0 else "no"))
         for core, label in ((False, "every prompt of the pack's workflows ran (failures by job)"),
                             (True, "ComfyUI core's own prompts (for comparison)")):
-            mine = [(srv, j) for srv, j in jobs if j["job"].startswith("core") == core]
+            mine = [(srv, j) for srv, j in jobs if (_job_kind(j["job"]) == "core") == core]
             if core and not mine:
                 continue
             failed = [(srv["label"], j) for srv, j in mine if not j.get("ok")]

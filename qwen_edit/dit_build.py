@@ -158,8 +158,9 @@ def build_dit(source: DitSource, *, device: torch.device | str, dtype: torch.dty
         host_blocks: keep the last this many blocks in page-locked host memory (``model.layer_streaming``, a
             ``streaming.LayerStreaming`` without hooks; the fast forward copies each to the device when it
             runs). Each goes to host memory as soon as it is built, so the device never holds them all: the
-            build peaks at the device-resident blocks plus one block. CUDA devices only (ValueError
-            elsewhere, or for a count outside 0..num_layers).
+            build peaks at the device-resident blocks plus one block. 0.32 GiB of GPU memory saved per block
+            in fp8 (0.63 in bf16), about 13 ms per block and forward at PCIe 5 speed. CUDA devices only
+            (ValueError elsewhere, or for a count outside 0..num_layers).
         check_interrupt: called between groups (raises to stop); what was built is then dropped.
 
     Returns:

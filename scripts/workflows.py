@@ -213,8 +213,9 @@ def preset_lightning_4step() -> Workflow:
 
 def preset_low_vram() -> Workflow:
     return Workflow("qwen_edit_low_vram", "low VRAM",
-                    "FP8 weight storage (bf16 compute), the fp8_scaled text encoder, and the last 10 DiT blocks "
-                    "kept in host memory (copied to the GPU each forward): under 20 GiB of GPU memory at 1 megapixel.",
+                    "FP8 weight storage (bf16 compute), the fp8_scaled text encoder, and the last "
+                    f"{LOW_VRAM_HOST_BLOCKS} DiT blocks kept in host memory (copied to the GPU each forward): under "
+                    "20 GiB of GPU memory at 1 megapixel.",
                     [_image(), _loader(2, (0, 0), text_encoder=TEXT_ENCODER_FP8, host_blocks=LOW_VRAM_HOST_BLOCKS),
                      _fp8(3, (420, 0), (2, 0), "weight_only"), _sampler(4, (840, 0), (3, 0)),
                      _save(5, (1260, 0), (4, 0), "qwen_edit_low_vram")])
