@@ -50,8 +50,16 @@ def _model(comfy):
 
 
 def _call(comfy, patcher, inputs, repeats=5):
+    """Median ms of one ``apply_model`` call with the transformer options KSampler passes: the MODEL's own, plus its
+    wrappers and callbacks (``comfy.sampler_helpers.prepare_model_patcher``; without them no compile wrapper runs)."""
+    import comfy.patcher_extension
+
     comfy.model_management.load_models_gpu([patcher])
-    options = patcher.model_options.get("transformer_options", {})
+    options = comfy.model_patcher.create_model_options_clone(patcher.model_options).setdefault("transformer_options",
+                                                                                               {})
+    comfy.patcher_extension.merge_nested_dicts(options.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
+    comfy.patcher_extension.merge_nested_dicts(options.setdefault("callbacks", {}), patcher.callbacks,
+                                               copy_dict1=False)
     model = patcher.model
     with torch.inference_mode():
         out = model.apply_model(**inputs, transformer_options=options).float()
