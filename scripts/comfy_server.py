@@ -113,6 +113,8 @@ class ComfyServer:
     cpu: bool = True
     env: dict[str, str] = field(default_factory=dict)
     comfyui: str = DEFAULT_COMFYUI
+    extra_custom_nodes: tuple[Path, ...] = ()
+    """Further custom-node folders linked into the server's ``custom_nodes`` beside the pack (test-only nodes)."""
     installation: ComfyInstall | None = None
 
     @property
@@ -164,6 +166,10 @@ class ComfyServer:
         link = custom_nodes / PACK_NAME
         if not link.exists():
             link.symlink_to(ROOT, target_is_directory=True)
+        for folder in self.extra_custom_nodes:
+            extra = custom_nodes / folder.name
+            if not extra.exists():
+                extra.symlink_to(folder, target_is_directory=True)
         for name in MODEL_FOLDERS:
             (self.models_dir / name).mkdir(parents=True, exist_ok=True)
         self.input_dir.mkdir(exist_ok=True)

@@ -64,6 +64,14 @@ OUTPUTS = {
     "SaveImage": [],
     "PreviewImage": [],
     "PreviewAny": [],
+    "UNETLoader": [("MODEL", "MODEL")],
+    "CLIPLoader": [("CLIP", "CLIP")],
+    "VAELoader": [("VAE", "VAE")],
+    "ModelSamplingAuraFlow": [("MODEL", "MODEL")],
+    "TextEncodeQwenImageEditPlus": [("CONDITIONING", "CONDITIONING")],
+    "VAEEncode": [("LATENT", "LATENT")],
+    "KSampler": [("LATENT", "LATENT")],
+    "VAEDecode": [("IMAGE", "IMAGE")],
 }
 LINK_INPUTS = {
     "QwenEditHopper_FuseLoRA": [("pipe", "QWEN_EDIT")],
@@ -77,6 +85,13 @@ LINK_INPUTS = {
     "SaveImage": [("images", "IMAGE")],
     "PreviewImage": [("images", "IMAGE")],
     "PreviewAny": [("source", "*")],
+    "ModelSamplingAuraFlow": [("model", "MODEL")],
+    "TextEncodeQwenImageEditPlus": [("clip", "CLIP"), ("vae", "VAE"), ("image1", "IMAGE"), ("image2", "IMAGE"),
+                                    ("image3", "IMAGE")],
+    "VAEEncode": [("pixels", "IMAGE"), ("vae", "VAE")],
+    "KSampler": [("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"),
+                 ("latent_image", "LATENT")],
+    "VAEDecode": [("samples", "LATENT"), ("vae", "VAE")],
 }
 CONTROL_AFTER_GENERATE = ("seed", "noise_seed")
 """Number widgets the frontend follows with a 'control after generate' value in widgets_values (its rule is by
@@ -236,9 +251,48 @@ def preset_benchmark() -> Workflow:
                      Node(8, "PreviewAny", links={"source": (6, 1)}, pos=(1680, 400))])
 
 
+CORE_SHIFT = 3.1
+"""ModelSamplingAuraFlow's shift in ComfyUI's own Qwen-Image-Edit-2509 workflow."""
+
+
+def preset_comfy_model_fp8() -> Workflow:
+    """ComfyUI core's Qwen-Image-Edit-2509 graph with Apply TE-FP8 and Compile Model on its MODEL."""
+    fp8 = _fp8(6, (840, 0), (5, 0), "scaled_mm_rowwise", FASTEST_LAYERS)
+    fp8.links = {"model": (5, 0)}
+    fp8.widgets["attention"] = "cudnn_fp8"
+    compile_node = _compile(7, (1260, 0), (6, 2))
+    compile_node.links = {"model": (6, 2)}
+    encode = {"clip": (3, 0), "vae": (4, 0), "image1": (1, 0)}
+    return Workflow("qwen_edit_comfy_model_fp8", "ComfyUI core nodes + FP8",
+                    "ComfyUI's own Qwen-Image-Edit-2509 graph (UNETLoader, CLIPLoader, TextEncodeQwenImageEditPlus, "
+                    "ModelSamplingAuraFlow, KSampler) with Apply TE-FP8 and Compile Model on its MODEL: the fastest "
+                    "preset's row-wise FP8 linears, cuDNN FP8 attention and compiled blocks, for KSampler and any "
+                    "other MODEL node. LoRAs loaded with LoraLoaderModelOnly before Apply TE-FP8 are applied to the "
+                    "bf16 weights, then quantized. The edit has the input picture's size.",
+                    [_image(1, (0, 700)),
+                     Node(2, "UNETLoader", {"unet_name": DIT, "weight_dtype": "default"}, pos=(0, 0)),
+                     Node(3, "CLIPLoader", {"clip_name": TEXT_ENCODER_FP8, "type": "qwen_image", "device": "default"},
+                          pos=(0, 250)),
+                     Node(4, "VAELoader", {"vae_name": VAE}, pos=(0, 500)),
+                     Node(5, "ModelSamplingAuraFlow", {"shift": CORE_SHIFT}, links={"model": (2, 0)},
+                          pos=(420, 0)),
+                     fp8, compile_node,
+                     Node(8, "TextEncodeQwenImageEditPlus", {"prompt": PROMPT}, links=dict(encode), pos=(420, 300),
+                          title="Prompt"),
+                     Node(9, "TextEncodeQwenImageEditPlus", {"prompt": ""}, links=dict(encode), pos=(420, 600),
+                          title="Negative prompt"),
+                     Node(10, "VAEEncode", links={"pixels": (1, 0), "vae": (4, 0)}, pos=(840, 700)),
+                     Node(11, "KSampler", {"seed": 42, "steps": 40, "cfg": 4.0, "sampler_name": "euler",
+                                           "scheduler": "simple", "denoise": 1.0},
+                          links={"model": (7, 2), "positive": (8, 0), "negative": (9, 0), "latent_image": (10, 0)},
+                          pos=(1680, 0)),
+                     Node(12, "VAEDecode", links={"samples": (11, 0), "vae": (4, 0)}, pos=(2100, 0)),
+                     _save(13, (2100, 300), (12, 0), "qwen_edit_comfy_model_fp8")])
+
+
 PRESETS: list[Callable[[], Workflow]] = [
     preset_bf16_baseline, preset_te_fp8, preset_fastest, preset_fastest_2gpu, preset_lora_fused,
-    preset_lightning_4step, preset_low_vram, preset_benchmark,
+    preset_lightning_4step, preset_low_vram, preset_benchmark, preset_comfy_model_fp8,
 ]
 
 

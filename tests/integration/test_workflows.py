@@ -17,6 +17,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from workflows import PRESETS, to_api, widget_values  # noqa: E402
 
 WORKFLOWS = sorted(p().name for p in PRESETS)
+RUN_ELSEWHERE = {"qwen_edit_comfy_model_fp8": "ComfyUI's own Qwen-Image loaders build the released sizes; it runs "
+                 "on full-width one-block files in tests/integration/test_comfy_model_workflow.py"}
 # emulating_comfy: a fixture shared by the whole test run, in tests/fixtures_server.py, shared with tests/browser.
 
 
@@ -55,7 +57,7 @@ def test_widget_order_matches_the_servers_input_order(emulating_comfy: ComfyServ
             assert len(widget_values(node)) == len(widgets) + controls + uploads, f"{preset().name}: {node.type}"
 
 
-@pytest.mark.parametrize("name", WORKFLOWS)
+@pytest.mark.parametrize("name", [name for name in WORKFLOWS if name not in RUN_ELSEWHERE])
 def test_every_api_twin_completes_and_writes_its_image(emulating_comfy: ComfyServer, name: str):
     prompt = emulating(json.loads((ROOT / "example_workflows" / "api" / f"{name}.json").read_text()))
     started = time.monotonic()
