@@ -7,8 +7,10 @@ arguments a plan or ``--server-arg`` adds), this checkout as a custom-node pack,
 random-weight ones). Jobs are queued over HTTP one after another:
 
 * a shipped API workflow (``example_workflows/api/<name>.json``: ``fastest``, ``lightning_4step``, ``low_vram``,
-  ``lora_fused``, ``bf16_baseline``, ``te_fp8``, ``benchmark``) with the written files' names put in, a new seed
-  for every job (ComfyUI serves an identical prompt from its cache) and, with ``:vary``, a new prompt text;
+  ``lora_fused``, ``bf16_baseline``, ``te_fp8``, ``benchmark``, ``comfy_model_fp8``) with the written files' names
+  put in, a new seed for every job (ComfyUI serves an identical prompt from its cache) and, with ``:vary``, a new
+  prompt text; ``comfy_model_fp8`` (ComfyUI core's nodes with Apply TE-FP8 and Compile Model on the MODEL)
+  quantizes the bf16 DiT, so its plans (``v075-model``, ``v033-model``) run with ``--dit bf16``;
 * ``core``: ComfyUI core's own Qwen-Image-Edit-2509 graph on the same files (UNETLoader, CLIPLoader type
   qwen_image, VAELoader, ImageScaleToTotalPixels 1 MP, TextEncodeQwenImageEditPlus, VAEEncode,
   ModelSamplingAuraFlow shift 3.1, KSampler euler/simple 40 steps cfg 4, VAEDecode, SaveImage); ``core:compile``
@@ -63,6 +65,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -94,7 +97,11 @@ FULL_SIZE, FULL_STEPS = 1024, 40
 TINY_SIZE, TINY_STEPS = 128, 2
 CORE_SHIFT, CORE_CFG = 3.1, 4.0
 
-SHIPPED = ("fastest", "lightning_4step", "low_vram", "lora_fused", "bf16_baseline", "te_fp8", "benchmark")
+SHIPPED = ("fastest", "lightning_4step", "low_vram", "lora_fused", "bf16_baseline", "te_fp8", "benchmark",
+           "comfy_model_fp8")
+MODEL_PATH = "comfy_model_fp8"
+"""The shipped workflow of ComfyUI core's nodes with Apply TE-FP8 and Compile Model on its MODEL: it quantizes
+high-precision weights, so its plans run on the bf16 DiT (``--dit bf16``)."""
 ALIASES = {"lightning": "lightning_4step"}
 PROMPTS = (
     PROMPT,
@@ -125,7 +132,7 @@ PROMPTS = (
 ESTIMATE_S = {
     "fastest": (110, 20), "lightning_4step": (80, 6), "low_vram": (90, 45), "lora_fused": (90, 20),
     "bf16_baseline": (110, 45), "te_fp8": (110, 45), "benchmark": (240, 120), "core": (110, 45),
-    "core:compile": (220, 45), "free": (10, 10), "lora_change": (45, 45),
+    "core:compile": (220, 45), "free": (10, 10), "lora_change": (45, 45), MODEL_PATH: (220, 45),
 }
 SERVER_START_ESTIMATE_S = 30.0
 
@@ -181,6 +188,16 @@ PLANS: dict[str, Plan] = {
         ServerSpec("core", "core*2,free,core:compile*2,free,fastest*2"),
     ), description="0.33.0 defaults: ComfyUI core's own workflow x2, with TorchCompileModel x2, "
                                  "then the pack's fastest x2 on the same card"),
+    "v075-model": Plan("0.3.75", (
+        ServerSpec("model", f"core*2,free,core:compile*2,free,{MODEL_PATH}*3,free,fastest*2"),
+    ), description="0.3.75 defaults, the bf16 DiT (--dit bf16): ComfyUI core's own workflow x2, with "
+                   "TorchCompileModel x2, the same graph with Apply TE-FP8 and Compile Model on its MODEL x3, "
+                   "then the pack's fastest x2 on the same card"),
+    "v033-model": Plan("0.33.0", (
+        ServerSpec("model", f"core*2,free,core:compile*2,free,{MODEL_PATH}*3,free,fastest*2"),
+    ), description="0.33.0 defaults, the bf16 DiT (--dit bf16): ComfyUI core's own workflow x2, with "
+                   "TorchCompileModel x2, the same graph with Apply TE-FP8 and Compile Model on its MODEL x3, "
+                   "then the pack's fastest x2 on the same card"),
     "tiny-smoke": Plan("any", (
         ServerSpec("smoke", "low_vram,free,lora_fused"),
     ), description="two workflows without compilation (the CPU test)"),
@@ -410,6 +427,18 @@ def shipped_prompt(job: Job, files: ModelFiles, seed: int, text: str | None, tin
                 inputs["strength"] = float(job.options["strength"])
         elif kind == "QwenEditHopper_Compile" and job.options.get("graphs") == "off":
             inputs["cuda_graphs"] = False
+        elif kind == "UNETLoader":
+            inputs["unet_name"] = files.dit
+        elif kind == "CLIPLoader":
+            inputs["clip_name"] = files.text_encoder
+        elif kind == "VAELoader":
+            inputs["vae_name"] = files.vae
+        elif kind == "KSampler":
+            inputs["seed"] = seed
+            if text is not None:
+                prompt[inputs["positive"][0]]["inputs"]["prompt"] = text
+            if tiny:
+                inputs["steps"] = min(inputs["steps"], TINY_STEPS)
         elif kind in ("QwenEditHopper_Sampler", "QwenEditHopper_Benchmark"):
             inputs["seed"] = seed
             if text is not None:
@@ -558,6 +587,10 @@ class Run:
         self.work: Path = args.work
         self.deadline = Deadline(args.deadline)
         self.files = ModelFiles.find(args.models.resolve())
+        uses_model_path = any(job.name == MODEL_PATH for spec in plan.servers for job in parse_jobs(spec.jobs))
+        if uses_model_path and "fp8" in self.files.dit:
+            raise SystemExit(f"plan {plan_name} runs {MODEL_PATH}, which quantizes high-precision weights; the "
+                             f"models folder holds {self.files.dit}: write the bf16 DiT (--dit bf16)")
         self.sampler = MemorySampler(gpu=not args.cpu)
         self.durations: dict[tuple[str, bool], float] = {}
         self.seed = args.seed
@@ -1067,6 +1100,30 @@ def _check(value: float | None, limit: float) -> str:
     return "" if value is None else ("yes" if value <= limit else "no")
 
 
+def _model_path_rows(ok: list[tuple[dict, dict]], of: Callable[..., list[dict[str, Any]]]
+                     ) -> list[tuple[str, str, str]]:
+    """The MODEL path's targets: warm s/step (KSampler's progress line) against ComfyUI core's best warm s/step on
+    the same files (with or without TorchCompileModel) and against the pack's own fastest workflow."""
+    model = [j["log"]["s_per_step"] for j in of(MODEL_PATH, warm=True) if (j.get("log") or {}).get("s_per_step")]
+    if not model:
+        return []
+    step = statistics.median(model)
+    core = [j["log"]["s_per_step"] for _, j in ok if _job_kind(j["job"]) == "core"
+            and not j.get("first_on_server") and (j.get("log") or {}).get("s_per_step")]
+    fastest = [j["stages"]["s_per_step"] for j in of("fastest", warm=True) if "s_per_step" in j["stages"]]
+    rows = [("ComfyUI core nodes + FP8 (KSampler on the pack's MODEL), warm s/step", f"median {_num(step, 3)}", "")]
+    if core:
+        ratio = round(step / min(core), 3)
+        rows.append(("its s/step <= 0.55x core's best warm s/step on the same files",
+                     f"{ratio}x ({_num(step, 3)} / {_num(min(core), 3)})", _check(ratio, 0.55)))
+    if fastest:
+        pack = statistics.median(fastest)
+        ratio = round(step / pack, 3)
+        rows.append(("its s/step within 10% of the pack's fastest workflow",
+                     f"{ratio}x ({_num(step, 3)} / {_num(pack, 3)})", _check(ratio, 1.10)))
+    return rows
+
+
 def targets(runs: list[dict[str, Any]]) -> str:
     """The issue's targets against what the runs of one card measured, per ComfyUI version, as markdown."""
     lines = ["| ComfyUI | target | measured | met |", "|---|---|---|---|"]
@@ -1114,6 +1171,7 @@ def targets(runs: list[dict[str, Any]]) -> str:
             ratio = round(warm / min(core), 3)
             rows.append(("warm fastest <= 0.42x core's best warm prompt on the same files",
                          f"{ratio}x ({warm} s / {min(core)} s)", _check(ratio, 0.42)))
+        rows += _model_path_rows(ok, of)
         lightning = _median([j["queue_to_image_s"] for j in of("lightning_4step", warm=True)])
         rows.append(("Lightning 4-step warm, queue to image <= 1.2 s", f"median {_num(lightning)} s",
                      _check(lightning, 1.2)))

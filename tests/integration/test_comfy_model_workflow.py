@@ -146,3 +146,26 @@ def test_a_lora_on_the_model_is_applied_and_strength_zero_gives_the_base_back(co
     assert error < effect / 3, (error, effect)
     assert torch.equal(zero, base)  # strength 0: the quantized base, bit for bit
     print(f"LoRA effect {effect:.2e}, against ComfyUI's own path with the LoRA {error:.2e}")
+
+
+def test_a_model_it_cannot_honour_is_refused_naming_it_and_the_next_prompt_runs(core_comfy: ComfyServer):
+    from prompts import TEXT_ENCODER, loader
+    from qwen_edit_hopper.qwen_edit.tiny import dit_file_name
+    from server_checks import failing_node
+
+    fp8_weights = cpu_prompt(pack=True, seed=13, prefix="fp8_weights")
+    unet = next(n for n in fp8_weights.values() if n["class_type"] == "UNETLoader")
+    unet["inputs"]["weight_dtype"] = "fp8_e4m3fn"
+    node, message = failing_node(core_comfy, fp8_weights)
+    assert node == "QwenEditHopper_ApplyFP8"
+    assert "float8_e4m3fn" in message and "weight_dtype 'default'" in message
+
+    both = cpu_prompt(pack=True, seed=13, prefix="both_inputs")
+    both["130"] = loader(dit=dit_file_name("edit"), text_encoder=TEXT_ENCODER)  # a tiny pack pipe
+    next(n for n in both.values() if n["class_type"] == "QwenEditHopper_ApplyFP8")["inputs"]["pipe"] = ["130", 0]
+    node, message = failing_node(core_comfy, both)
+    assert node == "QwenEditHopper_ApplyFP8" and "pipe / model: connect exactly one" in message
+
+    reference, _, _ = run_latent(core_comfy, cpu_prompt(pack=False, seed=13, prefix="after_core"))
+    latent, _, _ = run_latent(core_comfy, cpu_prompt(pack=True, seed=13, prefix="after_pack"))
+    assert 1e-4 < _rel(latent, reference) < 6e-2

@@ -118,6 +118,32 @@ def test_shipped_prompt_takes_the_written_files_seed_text_and_lora():
     assert nodes["QwenEditHopper_Sampler"]["prompt"] == pp.PROMPT
 
 
+def test_the_model_path_workflow_takes_the_written_files_seed_and_text():
+    prompt = pp.shipped_prompt(pp.parse_jobs(pp.MODEL_PATH)[0], FILES, seed=9, text="make it blue", tiny=True)
+    nodes = {n["class_type"]: n["inputs"] for n in prompt.values()}
+    assert nodes["UNETLoader"]["unet_name"] == "dit.safetensors" and nodes["VAELoader"]["vae_name"] == "vae.safetensors"
+    assert nodes["CLIPLoader"]["clip_name"] == "te.safetensors"
+    sampler = nodes["KSampler"]
+    assert sampler["seed"] == 9 and sampler["steps"] == pp.TINY_STEPS
+    assert prompt[sampler["positive"][0]]["inputs"]["prompt"] == "make it blue"
+    assert prompt[sampler["negative"][0]]["inputs"]["prompt"] == ""
+
+
+def test_a_model_path_plan_on_fp8_files_is_refused_before_any_server(tmp_path):
+    import argparse
+
+    models = tmp_path / "models"
+    for folder, name in (("diffusion_models", "qwen_image_edit_2509_fp8_e4m3fn.safetensors"),
+                         ("text_encoders", "qwen_2.5_vl_7b_fp8_scaled.safetensors"),
+                         ("vae", "qwen_image_vae.safetensors")):
+        (models / folder).mkdir(parents=True)
+        (models / folder / name).write_bytes(b"")
+    args = argparse.Namespace(out=tmp_path / "out", work=tmp_path / "work", deadline=None, models=models)
+    with pytest.raises(SystemExit, match=r"qwen_image_edit_2509_fp8_e4m3fn\.safetensors: write the bf16 DiT"):
+        pp.Run(args, "v075-model", pp.PLANS["v075-model"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_core_prompt_follows_the_servers_inputs():
     job = pp.parse_jobs("core:compile")[0]
     old = pp.core_prompt(job, FILES, 3, "edit", False, {"ImageScaleToTotalPixels": {"input": {"required": {}}}})
@@ -208,6 +234,16 @@ def test_summary_and_table_of_a_run():
     checks = pp.targets([results])
     assert "| 0.3.75 | warm fastest, queue to image <= 14.0 s (H100) | median 13.50 s | yes |" in checks
     assert "| warm fastest with a new prompt text each time (its encoding included) | median 14.10 s |  |" in checks
+    # the MODEL path against ComfyUI core's best warm s/step (by its progress line) and the pack's fastest
+    assert "ComfyUI core nodes + FP8" not in checks
+    jobs = results["servers"][0]["jobs"]
+    jobs.append(_job(9, "core:compile", 30.0, 20480, 8.0, log={"s_per_step": 0.6}))
+    jobs.append(_job(10, pp.MODEL_PATH, 14.0, 20480, 8.0, log={"s_per_step": 0.32}, stages={}))
+    jobs.append(_job(11, pp.MODEL_PATH, 14.0, 20480, 8.0, log={"s_per_step": 0.34}, stages={}))
+    checks = pp.targets([results])
+    assert "| ComfyUI core nodes + FP8 (KSampler on the pack's MODEL), warm s/step | median 0.330 |  |" in checks
+    assert "| its s/step <= 0.55x core's best warm s/step on the same files | 0.55x (0.330 / 0.600) | yes |" in checks
+    assert "| its s/step within 10% of the pack's fastest workflow | 1.1x (0.330 / 0.300) | yes |" in checks
 
 
 def test_record_rewrites_the_cards_product_path_file(tmp_path):
