@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from comfy_server import COMFYUI_DIR, COMFYUI_VERSIONS
+from fixtures_models import empty_full_size_names
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -65,12 +66,7 @@ def test_a_tiny_run_records_each_prompt_and_the_server(tmp_path: Path, comfyui_v
 
 
 def test_a_deadline_too_short_skips_the_server_and_still_writes_results(tmp_path: Path):
-    models = tmp_path / "models"
-    for folder, name in (("diffusion_models", "qwen_image_edit_2509_fp8_e4m3fn.safetensors"),
-                         ("text_encoders", "qwen_2.5_vl_7b_fp8_scaled.safetensors"),
-                         ("vae", "qwen_image_vae.safetensors")):
-        (models / folder).mkdir(parents=True)
-        (models / folder / name).write_bytes(b"")
+    models = empty_full_size_names(tmp_path / "models")
     _tool("bench/product_path.py", "run", "--comfyui", str(COMFYUI_DIR), "--models", str(models), "--out",
           str(tmp_path / "out"), "--jobs", "fastest", "--tiny", "--cpu", "--deadline", "20", timeout=120)
     (server,) = json.loads((tmp_path / "out" / "results.json").read_text())["servers"]

@@ -132,12 +132,9 @@ def test_the_model_path_workflow_takes_the_written_files_seed_and_text():
 def test_a_model_path_plan_on_fp8_files_is_refused_before_any_server(tmp_path):
     import argparse
 
-    models = tmp_path / "models"
-    for folder, name in (("diffusion_models", "qwen_image_edit_2509_fp8_e4m3fn.safetensors"),
-                         ("text_encoders", "qwen_2.5_vl_7b_fp8_scaled.safetensors"),
-                         ("vae", "qwen_image_vae.safetensors")):
-        (models / folder).mkdir(parents=True)
-        (models / folder / name).write_bytes(b"")
+    from fixtures_models import empty_full_size_names
+
+    models = empty_full_size_names(tmp_path / "models")
     args = argparse.Namespace(out=tmp_path / "out", work=tmp_path / "work", deadline=None, models=models)
     with pytest.raises(SystemExit, match=r"qwen_image_edit_2509_fp8_e4m3fn\.safetensors: write the bf16 DiT"):
         pp.Run(args, "v075-model", pp.PLANS["v075-model"])
