@@ -78,7 +78,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from comfy_server import ComfyInstall, ComfyServer, PromptFailedError, PromptRejectedError  # noqa: E402
 from main_job import example_image, write_extra_model_paths  # noqa: E402
-from workflows import INPUT_IMAGE, PROMPT  # noqa: E402
+from workflows import CORE_SHIFT, INPUT_IMAGE, PROMPT  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from harness_core import card_name  # noqa: E402
@@ -95,7 +95,7 @@ RESERVE_S = 20.0
 """Seconds kept at the end of a deadline for stopping the server and writing results."""
 FULL_SIZE, FULL_STEPS = 1024, 40
 TINY_SIZE, TINY_STEPS = 128, 2
-CORE_SHIFT, CORE_CFG = 3.1, 4.0
+CORE_CFG = 4.0
 
 SHIPPED = ("fastest", "lightning_4step", "low_vram", "lora_fused", "bf16_baseline", "te_fp8", "benchmark",
            "comfy_model_fp8")

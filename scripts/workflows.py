@@ -145,17 +145,20 @@ FASTEST_LAYERS = "attn+mlp+mod compute"
 (docs/decisions/0001-fp8-rowwise-linears.md)."""
 
 
-def _fp8(node_id: int, pos, pipe: tuple[int, int], backend: str, layers: str = "attn+mlp") -> Node:
+def _fp8(node_id: int, pos, pipe: tuple[int, int], backend: str, layers: str = "attn+mlp", source: str = "pipe",
+         attention: str = "comfyui") -> Node:
+    """Apply TE-FP8 on a pipe, or with ``source="model"`` on a ComfyUI MODEL (its ``attention`` then applies)."""
     return Node(node_id, "QwenEditHopper_ApplyFP8", {
         "backend": backend, "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
         "amax_compute_algo": "max", "layers": layers, "modulation": "fp8 storage", "fast_accum": True,
-        "gemm_kernel": "cublaslt", "where_unsupported": "refuse", "attention": "comfyui",
-    }, links={"pipe": pipe}, pos=pos)
+        "gemm_kernel": "cublaslt", "where_unsupported": "refuse", "attention": attention,
+    }, links={source: pipe}, pos=pos)
 
 
-def _compile(node_id: int, pos, pipe: tuple[int, int], cuda_graphs: bool = False) -> Node:
+def _compile(node_id: int, pos, pipe: tuple[int, int], cuda_graphs: bool = False, source: str = "pipe") -> Node:
+    """Compile Model on a pipe, or with ``source="model"`` on a ComfyUI MODEL."""
     widgets = {"mode": "default", "dynamic": True, "warmup": False, "warmup_size": 1024, "cuda_graphs": cuda_graphs}
-    return Node(node_id, "QwenEditHopper_Compile", widgets, links={"pipe": pipe}, pos=pos)
+    return Node(node_id, "QwenEditHopper_Compile", widgets, links={source: pipe}, pos=pos)
 
 
 def _lora(node_id: int, pos, pipe: tuple[int, int], name: str) -> Node:
@@ -257,11 +260,8 @@ CORE_SHIFT = 3.1
 
 def preset_comfy_model_fp8() -> Workflow:
     """ComfyUI core's Qwen-Image-Edit-2509 graph with Apply TE-FP8 and Compile Model on its MODEL."""
-    fp8 = _fp8(6, (840, 0), (5, 0), "scaled_mm_rowwise", FASTEST_LAYERS)
-    fp8.links = {"model": (5, 0)}
-    fp8.widgets["attention"] = "cudnn_fp8"
-    compile_node = _compile(7, (1260, 0), (6, 2))
-    compile_node.links = {"model": (6, 2)}
+    fp8 = _fp8(6, (840, 0), (5, 0), "scaled_mm_rowwise", FASTEST_LAYERS, source="model", attention="cudnn_fp8")
+    compile_node = _compile(7, (1260, 0), (6, 2), source="model")
     encode = {"clip": (3, 0), "vae": (4, 0), "image1": (1, 0)}
     return Workflow("qwen_edit_comfy_model_fp8", "ComfyUI core nodes + FP8",
                     "ComfyUI's own Qwen-Image-Edit-2509 graph (UNETLoader, CLIPLoader, TextEncodeQwenImageEditPlus, "
