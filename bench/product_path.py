@@ -164,6 +164,16 @@ def _every_workflow_twice() -> str:
     return ",".join(f"{name}*2,free" for name in order)
 
 
+def _model_path_plan(comfyui: str) -> Plan:
+    """ComfyUI core's own workflow with and without TorchCompileModel, the MODEL path and the pack's fastest on one
+    server (the bf16 DiT: ``--dit bf16``)."""
+    return Plan(comfyui, (
+        ServerSpec("model", f"core*2,free,core:compile*2,free,{MODEL_PATH}*3,free,fastest*2"),
+    ), description=f"{comfyui} defaults, the bf16 DiT (--dit bf16): ComfyUI core's own workflow x2, with "
+                   "TorchCompileModel x2, the same graph with Apply TE-FP8 and Compile Model on its MODEL x3, "
+                   "then the pack's fastest x2 on the same card")
+
+
 PLANS: dict[str, Plan] = {
     "v075-first-images": Plan("0.3.75", (
         ServerSpec("cold", "fastest,fastest*3,lightning*2,lightning:lora=8"),
@@ -188,16 +198,8 @@ PLANS: dict[str, Plan] = {
         ServerSpec("core", "core*2,free,core:compile*2,free,fastest*2"),
     ), description="0.33.0 defaults: ComfyUI core's own workflow x2, with TorchCompileModel x2, "
                                  "then the pack's fastest x2 on the same card"),
-    "v075-model": Plan("0.3.75", (
-        ServerSpec("model", f"core*2,free,core:compile*2,free,{MODEL_PATH}*3,free,fastest*2"),
-    ), description="0.3.75 defaults, the bf16 DiT (--dit bf16): ComfyUI core's own workflow x2, with "
-                   "TorchCompileModel x2, the same graph with Apply TE-FP8 and Compile Model on its MODEL x3, "
-                   "then the pack's fastest x2 on the same card"),
-    "v033-model": Plan("0.33.0", (
-        ServerSpec("model", f"core*2,free,core:compile*2,free,{MODEL_PATH}*3,free,fastest*2"),
-    ), description="0.33.0 defaults, the bf16 DiT (--dit bf16): ComfyUI core's own workflow x2, with "
-                   "TorchCompileModel x2, the same graph with Apply TE-FP8 and Compile Model on its MODEL x3, "
-                   "then the pack's fastest x2 on the same card"),
+    "v075-model": _model_path_plan("0.3.75"),
+    "v033-model": _model_path_plan("0.33.0"),
     "tiny-smoke": Plan("any", (
         ServerSpec("smoke", "low_vram,free,lora_fused"),
     ), description="two workflows without compilation (the CPU test)"),
@@ -1166,7 +1168,7 @@ def targets(runs: list[dict[str, Any]]) -> str:
         if seeds_only and new_prompts:
             rows.append(("warm fastest with a new prompt text each time (its encoding included)",
                          f"median {_num(_median(new_prompts))} s", ""))
-        core = [j["queue_to_image_s"] for _, j in ok if j["job"].startswith("core") and not j.get("first_on_server")]
+        core = [j["queue_to_image_s"] for _, j in ok if _job_kind(j["job"]) == "core" and not j.get("first_on_server")]
         if warm is not None and core:
             ratio = round(warm / min(core), 3)
             rows.append(("warm fastest <= 0.42x core's best warm prompt on the same files",

@@ -6,7 +6,7 @@ type, no broken or rewired link, and no dialog or warning toast (missing nodes, 
 validation); the frontend's own UI -> API conversion equals our API twin (example_workflows/api) node
 by node, input by input (exceptions: tests/browser/frontend.py, UI_ONLY_INPUTS / TWIN_ONLY_INPUTS);
 Run queues it, the server finishes it, and its output images (and for the benchmark the table text)
-appear in the page (except the ComfyUI core-nodes workflow, NOT_RUN_HERE: it is opened and converted
+appear in the page (except the ComfyUI core-nodes workflow, prompts.RUN_ON_FULL_WIDTH_FILES: it is opened and converted
 only). A failure keeps a screenshot and the console log under test-artifacts/browser/.
 
 The server is the test run's ``emulating_comfy`` (tests/fixtures_server.py), shared with
@@ -35,7 +35,7 @@ from frontend import (
     overlay_problems,
     prompt_differences,
 )
-from prompts import EMULATING_NODES, emulating
+from prompts import EMULATING_NODES, RUN_ON_FULL_WIDTH_FILES, emulating
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -44,9 +44,6 @@ from workflows import PRESETS  # noqa: E402
 WORKFLOWS = sorted(p().name for p in PRESETS)
 RUN_TIMEOUT_S = 1800  # a cold benchmark on a 2-core CI machine takes about 250 s; the rest far less
 IMAGE_OUTPUT_TYPES = {"SaveImage", "PreviewImage"}
-NOT_RUN_HERE = {"qwen_edit_comfy_model_fp8": "ComfyUI's own Qwen-Image loaders build the released sizes from the "
-                "tiny files; it runs through the server on full-width files in "
-                "tests/integration/test_comfy_model_workflow.py"}
 
 pytestmark = pytest.mark.browser
 
@@ -102,8 +99,9 @@ def test_workflow_opens_converts_and_runs_in_the_frontend(frontend: Frontend, em
         ui_prompt = frontend.api_prompt()
         assert not prompt_differences(ui_prompt, emulating(twin)), prompt_differences(ui_prompt, emulating(twin))
         loaded_at = time.monotonic()
-        if name in NOT_RUN_HERE:
-            print(f"{name}: loaded and checked in {loaded_at - started:.1f} s; not run here: {NOT_RUN_HERE[name]}")
+        if name in RUN_ON_FULL_WIDTH_FILES:
+            print(f"{name}: loaded and checked in {loaded_at - started:.1f} s; not run here: "
+                  f"{RUN_ON_FULL_WIDTH_FILES[name]}")
             return
 
         frontend.fit_view()

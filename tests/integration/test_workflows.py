@@ -10,15 +10,13 @@ from pathlib import Path
 
 import pytest
 from comfy_server import ComfyServer
-from prompts import emulating, read_image
+from prompts import RUN_ON_FULL_WIDTH_FILES, emulating, read_image
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 from workflows import PRESETS, to_api, widget_values  # noqa: E402
 
 WORKFLOWS = sorted(p().name for p in PRESETS)
-RUN_ELSEWHERE = {"qwen_edit_comfy_model_fp8": "ComfyUI's own Qwen-Image loaders build the released sizes; it runs "
-                 "on full-width one-block files in tests/integration/test_comfy_model_workflow.py"}
 # emulating_comfy: a fixture shared by the whole test run, in tests/fixtures_server.py, shared with tests/browser.
 
 
@@ -57,7 +55,7 @@ def test_widget_order_matches_the_servers_input_order(emulating_comfy: ComfyServ
             assert len(widget_values(node)) == len(widgets) + controls + uploads, f"{preset().name}: {node.type}"
 
 
-@pytest.mark.parametrize("name", [name for name in WORKFLOWS if name not in RUN_ELSEWHERE])
+@pytest.mark.parametrize("name", [name for name in WORKFLOWS if name not in RUN_ON_FULL_WIDTH_FILES])
 def test_every_api_twin_completes_and_writes_its_image(emulating_comfy: ComfyServer, name: str):
     prompt = emulating(json.loads((ROOT / "example_workflows" / "api" / f"{name}.json").read_text()))
     started = time.monotonic()
