@@ -35,11 +35,15 @@ import harness_core as hc
 import harness_models as hm
 
 CATEGORIES = (
-    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn", "_attn")),
-    ("fp8 GEMM", ("e4m3", "f8f8", "fp8", "scaled_mm", "sm90_xmma_gemm_f8")),
-    ("bf16 GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    # first: Inductor names a Triton kernel after the ops fused into it ("..._cudnn_fp8_attention_...",
+    # "..._cublaslt_rowwise_mm_..."), which are not the kernels those ops launch themselves
     ("Triton fused elementwise", ("triton_",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn", "_attn")),
+    # cuBLAS's nvjet kernels name fp8 operands "qq" (nvjet_sm90_qqtst_...), bf16 ones not (nvjet_sm90_tst_...)
+    ("fp8 GEMM", ("e4m3", "f8f8", "fp8", "scaled_mm", "sm90_xmma_gemm_f8", "nvjet_sm90_qq")),
+    ("bf16 GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
 )
+"""Kernel categories by name fragments, the first match wins."""
 
 
 def category(name: str) -> str:
