@@ -14,16 +14,30 @@ one batch-2 forward. ``rel diff`` compares the final latents with the one-GPU on
     python3 bench/parallel_bench.py MODELS [--layouts 1,cfg2,u2,cfg2xu2] [--size 1024] [--steps 40] [--cfg 4]
                                            [--references 1]
     python3 bench/parallel_bench.py MODELS --tiny --layouts 1,cfg2     # the code path on the CPU, in seconds
+
+``--profile-degree P`` instead shows where one Ulysses rank's DiT forward spends its time. It spawns P processes (NCCL
+on GPUs; gloo with ``--tiny``), one per device; each builds the DiT as a parallel worker does (CUDA graphs off under
+Ulysses), joins one sequence-parallel group and runs the prompt's forward (batch 1: one CFG branch, as under CFG 2 x
+Ulysses P): ``--warmup`` calls (compile), ``--repeats`` timed calls, one call under the profiler. ``P = 1`` runs the
+same forward without shards on one device, CUDA graphs off too: what a P-rank forward should approach 1/P of. Rank 0
+prints ms per forward, its GPU kernel time by category (NCCL apart) against the wall time (a GPU busy well under the
+wall: the host or a wait holds it back), the top kernels and the top host-side ops.
+
+    python3 bench/parallel_bench.py MODELS --profile-degree 2 [--size 1024] [--references 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,15 +49,24 @@ load_pack()
 from full_size_files import DIT_FILES, FOLDERS, dit_entries, write_file  # noqa: E402
 from harness_forward import FASTEST_GEMM_KERNEL, FASTEST_PRESET  # noqa: E402
 from harness_models import FULL, TINY, configs  # noqa: E402
+from profile_forward import category  # noqa: E402
 from qwen_edit_hopper.fp8 import Fp8Config  # noqa: E402
 from qwen_edit_hopper.qwen_edit.checkpoints.layouts import LAYOUT_SINGLE_FILES, ModelFiles  # noqa: E402
 from qwen_edit_hopper.qwen_edit.compile import compiled_forward_context  # noqa: E402
+from qwen_edit_hopper.qwen_edit.fast_forward import fast_model_fn  # noqa: E402
 from qwen_edit_hopper.qwen_edit.parallel.engine import engine_for, stop_engine  # noqa: E402
 from qwen_edit_hopper.qwen_edit.parallel.layout import ParallelChoice  # noqa: E402
+from qwen_edit_hopper.qwen_edit.parallel.ulysses import SequenceShards  # noqa: E402
 from qwen_edit_hopper.qwen_edit.parallel.worker import job  # noqa: E402
 from qwen_edit_hopper.qwen_edit.plan import CompileChoice, PipePlan, Variant  # noqa: E402
 from qwen_edit_hopper.qwen_edit.runtime import PlanRuntime  # noqa: E402
-from qwen_edit_hopper.qwen_edit.sampling import Callbacks, Conditioning, EditRequest, EditSampler  # noqa: E402
+from qwen_edit_hopper.qwen_edit.sampling import (  # noqa: E402
+    Callbacks,
+    Conditioning,
+    EditRequest,
+    EditSampler,
+    start_denoising,
+)
 
 LAYOUTS = {"1": None, "cfg2": ParallelChoice(cfg=2), "u2": ParallelChoice(ulysses=2),
            "u4": ParallelChoice(ulysses=4), "cfg2xu2": ParallelChoice(cfg=2, ulysses=2),
@@ -116,6 +139,106 @@ def parallel(plan, layout, request, cond, device, dtype) -> tuple[float, float, 
     return time.perf_counter() - started, start_s, latents.float()
 
 
+def kernel_category(name: str) -> str:
+    """NCCL's kernels apart from :func:`profile_forward.category`'s."""
+    return "NCCL" if "nccl" in name.lower() else category(name)
+
+
+def profile_summary(prof, wall_ms: float, top: int = 10) -> str:
+    """Kernel ms by category against ``wall_ms``, the ``top`` kernels and the ``top`` host-side ops."""
+    averages = prof.key_averages()
+    kernels = [(e.key, e.self_device_time_total / 1e3, e.count) for e in averages if e.self_device_time_total > 0]
+    by_category: dict[str, float] = {}
+    for name, ms, _ in kernels:
+        by_category[kernel_category(name)] = by_category.get(kernel_category(name), 0.0) + ms
+    busy = sum(ms for name, ms, _ in kernels if kernel_category(name) != "NCCL")
+    lines = [f"wall {wall_ms:.1f} ms; kernels outside NCCL {busy:.1f} ms ({100 * busy / wall_ms:.0f}% of the wall)",
+             "  by category: " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(by_category.items(),
+                                                                                 key=lambda i: -i[1])),
+             "  top kernels:"]
+    lines += [f"    {ms:8.2f} ms x{count:<5d} {name[:110]}" for name, ms, count in
+              sorted(kernels, key=lambda k: -k[1])[:top]]
+    host = sorted((e for e in averages if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)[:top]
+    lines.append("  top host-side ops (self time):")
+    lines += [f"    {e.self_cpu_time_total / 1e3:8.2f} ms x{e.count:<5d} {e.key[:110]}" for e in host]
+    return "\n".join(lines)
+
+
+def profile_rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    """One rank of ``--profile-degree``: see the module's docstring."""
+    tiny, degree = args.tiny, args.profile_degree
+    device = torch.device("cpu") if tiny else torch.device("cuda", rank)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    shards = None
+    if degree > 1:
+        dist.init_process_group("gloo" if tiny else "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=degree, timeout=timedelta(seconds=600),
+                                **({} if tiny else {"device_id": device}))
+        shards = SequenceShards(group=dist.group.WORLD, degree=degree, rank=rank)
+    plan = make_plan(dit_file(args.models, tiny, device), tiny)
+    runtime = PlanRuntime(device, dtype)
+    dit = runtime.dit(plan).prepared
+    if getattr(dit, "graphs", None) is not None:
+        dit.disable_cuda_graphs()
+    text_dim = configs(TINY if tiny else FULL)[0].text_dim
+    cond = conditioning(text_dim, args.size, device, dtype, args.references)
+    request = EditRequest(images=(), prompt="", negative_prompt="", seed=7, steps=4, cfg=4.0, width=args.size,
+                          height=args.size)
+    _, latents, shared = start_denoising(request, cond, plan.variant, device, dtype)
+    timestep = torch.tensor([500.0], dtype=dtype, device=device)
+    attention = plan.attention if plan.attention != "auto" else "sdpa"
+
+    def forward():
+        out = fast_model_fn(dit=dit, latents=latents, timestep=timestep, attention_backend=attention,
+                            options=plan.forward, sequence_shards=shards, **cond.positive, **shared)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out
+
+    with compiled_forward_context(plan.compile), torch.inference_mode():
+        for _ in range(args.warmup):
+            forward()
+        times = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            forward()
+            times.append((time.perf_counter() - started) * 1e3)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            started = time.perf_counter()
+            forward()
+            profiled_ms = (time.perf_counter() - started) * 1e3
+    if rank == 0:
+        median = sorted(times)[len(times) // 2]
+        card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        print(f"\n{args.size}x{args.size} edit, {args.references} reference(s), prompt branch (batch 1), "
+              f"{'Ulysses ' + str(degree) if degree > 1 else 'one device, no shards'}, CUDA graphs off, {card}: "
+              f"median {median:.1f} ms per forward over {len(times)} calls (min {min(times):.1f})")
+        print(profile_summary(prof, profiled_ms), flush=True)
+    if degree > 1:
+        dist.destroy_process_group()
+    runtime.evict_all()
+
+
+def profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--profile-degree``: the file first (written here, so the ranks only read it), then one process per rank."""
+    if not args.tiny and torch.cuda.device_count() < args.profile_degree:
+        parser.error(f"--profile-degree {args.profile_degree}: {torch.cuda.device_count()} GPUs visible")
+    dit_file(args.models, args.tiny, torch.device("cpu" if args.tiny else "cuda"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if args.profile_degree == 1:
+        profile_rank(0, args, port)
+    else:
+        mp.spawn(profile_rank, args=(args, port), nprocs=args.profile_degree, join=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", type=Path, help="a ComfyUI models folder (the DiT file is written when missing)")
@@ -127,7 +250,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="reference images, each at the output size (vLLM-Omni's published run: 2 at 1536, 35 "
                         "steps)")
     parser.add_argument("--tiny", action="store_true", help="the tiny DiT on the CPU (checks the code path)")
+    parser.add_argument("--profile-degree", type=int, choices=(1, 2, 4, 8),
+                        help="instead of the layouts: profile one forward on this many Ulysses ranks (1: no shards)")
+    parser.add_argument("--warmup", type=int, default=3, help="--profile-degree: forwards before timing")
+    parser.add_argument("--repeats", type=int, default=5, help="--profile-degree: timed forwards")
     args = parser.parse_args(argv)
+    if args.profile_degree:
+        return profile(parser, args)
     names = args.layouts.split(",")
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:

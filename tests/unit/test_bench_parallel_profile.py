@@ -1,0 +1,21 @@
+"""bench/parallel_bench.py --profile-degree on the CPU: two gloo ranks profile the tiny DiT's sharded forward."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_two_ranks_profile_the_sharded_forward_and_name_the_exchange(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "parallel_bench.py"), str(tmp_path), "--tiny",
+                          "--profile-degree", "2", "--size", "128", "--warmup", "1", "--repeats", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert "128x128 edit, 1 reference(s), prompt branch (batch 1), Ulysses 2, CUDA graphs off, CPU" in out
+    assert "ms per forward over 2 calls" in out
+    host_ops = out.split("top host-side ops (self time):")[1]
+    assert "c10d::alltoall_base_" in host_ops  # the all-to-all around the attention ran and was profiled
