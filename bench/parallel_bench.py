@@ -49,7 +49,7 @@ load_pack()
 from full_size_files import DIT_FILES, FOLDERS, dit_entries, write_file  # noqa: E402
 from harness_forward import FASTEST_GEMM_KERNEL, FASTEST_PRESET  # noqa: E402
 from harness_models import FULL, TINY, configs  # noqa: E402
-from profile_forward import category  # noqa: E402
+from profile_forward import category, options_named  # noqa: E402
 from qwen_edit_hopper.fp8 import Fp8Config  # noqa: E402
 from qwen_edit_hopper.qwen_edit.checkpoints.layouts import LAYOUT_SINGLE_FILES, ModelFiles  # noqa: E402
 from qwen_edit_hopper.qwen_edit.compile import compiled_forward_context  # noqa: E402
@@ -177,7 +177,7 @@ def profile_rank(rank: int, args: argparse.Namespace, port: int) -> None:
                                 world_size=degree, timeout=timedelta(seconds=600),
                                 **({} if tiny else {"device_id": device}))
         shards = SequenceShards(group=dist.group.WORLD, degree=degree, rank=rank)
-    plan = make_plan(dit_file(args.models, tiny, device), tiny)
+    plan = make_plan(dit_file(args.models, tiny, device), tiny).with_forward(args.options)
     runtime = PlanRuntime(device, dtype)
     dit = runtime.dit(plan).prepared
     if getattr(dit, "graphs", None) is not None:
@@ -216,7 +216,8 @@ def profile_rank(rank: int, args: argparse.Namespace, port: int) -> None:
         median = sorted(times)[len(times) // 2]
         card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         print(f"\n{args.size}x{args.size} edit, {args.references} reference(s), prompt branch (batch 1), "
-              f"{'Ulysses ' + str(degree) if degree > 1 else 'one device, no shards'}, CUDA graphs off, {card}: "
+              f"{'Ulysses ' + str(degree) if degree > 1 else 'one device, no shards'}, CUDA graphs off, "
+              f"forward options {args.options.describe()}, {card}: "
               f"median {median:.1f} ms per forward over {len(times)} calls (min {min(times):.1f})")
         print(profile_summary(prof, profiled_ms), flush=True)
     if degree > 1:
@@ -250,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="reference images, each at the output size (vLLM-Omni's published run: 2 at 1536, 35 "
                         "steps)")
     parser.add_argument("--tiny", action="store_true", help="the tiny DiT on the CPU (checks the code path)")
+    parser.add_argument("--options", default="shipped", type=options_named,
+                        help="the fast forward's options: shipped, unfused, shipped-without:F[+F...], shipped-with:F "
+                             "(e.g. shipped-with:ulysses_traced_exchange)")
     parser.add_argument("--profile-degree", type=int, choices=(1, 2, 4, 8),
                         help="instead of the layouts: profile one forward on this many Ulysses ranks (1: no shards)")
     parser.add_argument("--warmup", type=int, default=3, help="--profile-degree: forwards before timing")
@@ -268,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.device_count() < wanted:
             parser.error(f"--layouts: {wanted} GPUs needed, {torch.cuda.device_count()} visible")
     path = dit_file(args.models, args.tiny, device)
-    plan = make_plan(path, args.tiny)
+    plan = make_plan(path, args.tiny).with_forward(args.options)
     text_dim = configs(TINY if args.tiny else FULL)[0].text_dim
     cond = conditioning(text_dim, args.size, device, dtype, args.references)
     request = EditRequest(images=(), prompt="", negative_prompt="", seed=7, steps=args.steps, cfg=args.cfg,
@@ -293,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     base = rows[0][2]
     print(f"\n{args.size}x{args.size} edit, {args.references} reference(s), {args.steps} steps, "
           f"true CFG {args.cfg:g}, "
-          f"{'tiny DiT fp32' if args.tiny else 'fastest preset (fp8 rowwise, cudnn_fp8, compiled)'}, {card}")
+          f"{'tiny DiT fp32' if args.tiny else 'fastest preset (fp8 rowwise, cudnn_fp8, compiled)'}, "
+          f"forward options {args.options.describe()}, {card}")
     print("| layout | GPUs | denoise s | s/step | speed-up | workers start s | rel diff |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, gpus, seconds, start_s, diff, label in rows:

@@ -59,23 +59,27 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def options_named(spec: str):
-    """``shipped``, ``unfused`` or ``shipped-without:FIELD[+FIELD...]`` as a ``ForwardOptions``."""
+    """``shipped``, ``unfused``, ``shipped-without:FIELD[+FIELD...]`` or ``shipped-with:FIELD[+FIELD...]`` (a
+    True/False field turned on) as a ``ForwardOptions``."""
     from qwen_edit_hopper.qwen_edit.fast.options import SHIPPED, UNFUSED
 
     if spec == "shipped":
         return SHIPPED
     if spec == "unfused":
         return UNFUSED
-    prefix = "shipped-without:"
-    if not spec.startswith(prefix):
-        raise SystemExit(f"--options {spec!r}: use shipped, unfused or {prefix}FIELD[+FIELD...]")
+    without, with_ = "shipped-without:", "shipped-with:"
+    if not spec.startswith((without, with_)):
+        raise SystemExit(f"--options {spec!r}: use shipped, unfused, {without}FIELD[+FIELD...] or {with_}FIELD[+...]")
+    turn_on = spec.startswith(with_)
     options = SHIPPED
-    for field in spec[len(prefix):].split("+"):
+    for field in spec.split(":", 1)[1].split("+"):
         if not hasattr(options, field):
             allowed = ", ".join(f.name for f in dataclasses.fields(options))
             raise SystemExit(f"--options {spec!r}: no option {field!r}; options: {allowed}")
         value = getattr(options, field)
-        options = dataclasses.replace(options, **{field: () if isinstance(value, tuple) else False})
+        if turn_on and not isinstance(value, bool):
+            raise SystemExit(f"--options {spec!r}: {field} is not a True/False option")
+        options = dataclasses.replace(options, **{field: turn_on if isinstance(value, bool) else ()})
     return options
 
 

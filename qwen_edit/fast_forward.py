@@ -327,7 +327,8 @@ def _forward(prepared: PreparedDit, latents: torch.Tensor, timestep: torch.Tenso
         mark_sequence_dynamic((target, 0))
     kernels = plan.block
     if shards is not None:  # cudnn_fp8's fused quantization kernels feed its own joint-sequence call, not the exchange
-        kernels = dataclasses.replace(kernels, qk_quant=False, v_quant=False, joint_v_gemm=False)
+        kernels = dataclasses.replace(kernels, qk_quant=False, v_quant=False, joint_v_gemm=False,
+                                      traced_exchange=plan.options.ulysses_traced_exchange)
     streaming = prepared.streaming
     for i, block in enumerate(dit.transformer_blocks):
         if mark:

@@ -27,6 +27,8 @@ class BlockKernels:
         joint_v_gemm: the joint e4m3 v by the image stream's v GEMM (``qwen_edit.kernels.joint_v_gemm``).
         residual_epilogue: sites ("attention", "mlp") whose gated residual update runs in the GEMM's epilogue.
         small_m_gemm: row-wise fp8 GEMMs may take the small-M Triton kernel (``fp8.small_m_gemm``).
+        traced_exchange: under Ulysses, the exchange around the attention, its all-to-alls included, is traced
+            with the block (``ForwardOptions.ulysses_traced_exchange``).
     """
 
     norm_quant: bool = False
@@ -37,6 +39,7 @@ class BlockKernels:
     joint_v_gemm: bool = False
     residual_epilogue: tuple[str, ...] = ()
     small_m_gemm: bool = False
+    traced_exchange: bool = False
 
 
 NO_FUSED_KERNELS = BlockKernels()

@@ -66,6 +66,10 @@ class ForwardOptions:
             epilogue (``fp8.cublaslt_gemm``; row-wise fp8 layers with ``gemm_kernel="cublaslt"``, one gate row).
         small_m_gemm: a Triton GEMM for row-wise fp8 GEMMs of 17 to 384 rows at the shapes it was tuned for (the
             text stream at batch 1; ``fp8.small_m_gemm``; Hopper), where cuBLASLt's pick is slow.
+        ulysses_traced_exchange: under Ulysses sequence parallel, the exchange around the attention (layout
+            changes, two all-to-alls as functional collectives, the attention's quantization and call) is traced
+            into the compiled block: one graph per block; off, that section runs eagerly between two graphs. Off
+            in the shipped options until GPU runs measure it.
     """
 
     trim_last_block: bool = True
@@ -78,6 +82,7 @@ class ForwardOptions:
     joint_v_gemm: bool = True
     residual_epilogue: tuple[str, ...] = RESIDUAL_SITES
     small_m_gemm: bool = True
+    ulysses_traced_exchange: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -7,16 +7,22 @@ CFG's padding is), and only around the attention do the ranks trade: one all-to-
 (B, S / P, H, Dh) into (B, S, H / P, Dh) (the whole sequence, a slice of the heads), the user's attention backend
 runs on that, and one all-to-all turns the output back into (B, S / P, H * Dh).
 
-The exchange is plain ``torch.distributed.all_to_all_single`` (NCCL on GPUs, gloo on the CPU), kept out of compiled
-graphs (``torch.compiler.disable``): a compiled block runs as two graphs around it.
+The exchange is an all-to-all over the group (NCCL on GPUs, gloo on the CPU). ``ForwardOptions.ulysses_traced_exchange``
+(through ``BlockKernels.traced_exchange``) chooses how it meets ``torch.compile``: off, the whole attention section
+(the exchange's layout changes, ``torch.distributed.all_to_all_single``, the backend's quantization and call) runs
+eagerly outside the graph (``torch.compiler.disable``) and a compiled block runs as two graphs around it; on, the
+all-to-alls are functional collectives (``torch.distributed._functional_collectives``), which Dynamo traces, and
+the block with its exchange is one graph, Inductor's fused code around the collectives.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F  # noqa: N812
 
 __all__ = ["SequenceShards", "padded_length"]
@@ -28,11 +34,15 @@ def padded_length(length: int, degree: int) -> int:
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    """Chunk i of dim 0 goes to rank i; the result's chunk j came from rank j (same shape)."""
-    x = x.contiguous()
+    """Chunk i of dim 0 goes to rank i; the result's chunk j came from rank j (same shape; ``x`` contiguous)."""
     out = torch.empty_like(x)  # contiguous too: the collective writes rank-major chunks
     dist.all_to_all_single(out, x, group=group)
     return out
+
+
+def _traced_all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """:func:`_all_to_all` as a functional collective, which Dynamo traces into the compiled graph (no break)."""
+    return funcol.wait_tensor(funcol.all_to_all_single(x, None, None, group))
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,9 +73,23 @@ class SequenceShards:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
-    @torch.compiler.disable
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int,
-                  image_valid: torch.Tensor, txt_lens: tuple[torch.Tensor, ...], backend: str) -> torch.Tensor:
+                  image_valid: torch.Tensor, txt_lens: tuple[torch.Tensor, ...], backend: str,
+                  traced: bool = False) -> torch.Tensor:
+        """Joint attention of the whole sequence from this rank's shard (arguments: :meth:`_attention`); ``traced``:
+        the section and its functional all-to-alls run where they are called (traced into a compiled block), else
+        eagerly outside any graph."""
+        if traced:
+            return self._attention(q, k, v, image_tokens, image_valid, txt_lens, backend, _traced_all_to_all)
+        return self._eager_attention(q, k, v, image_tokens, image_valid, txt_lens, backend, _all_to_all)
+
+    @torch.compiler.disable
+    def _eager_attention(self, *args) -> torch.Tensor:
+        return self._attention(*args)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int,
+                   image_valid: torch.Tensor, txt_lens: tuple[torch.Tensor, ...], backend: str,
+                   exchange: Callable[[torch.Tensor, object], torch.Tensor]) -> torch.Tensor:
         """Joint attention of the whole sequence from this rank's shard.
 
         Args:
@@ -76,6 +100,7 @@ class SequenceShards:
             image_valid: (N, 0) size carrier: N valid image tokens in all (the padding after them is no key).
             txt_lens: valid text tokens per sample as (n_i, 0) size carriers (``fast.block.length_carriers``).
             backend: the attention backend (``fp8.attention.BACKENDS``).
+            exchange: the all-to-all (:func:`_all_to_all` or :func:`_traced_all_to_all`).
 
         Returns:
             (B, s_img + s_txt, H * Dh): this rank's rows of the attention output, all heads.
@@ -88,7 +113,7 @@ class SequenceShards:
             raise ValueError(f"{heads} attention heads do not divide by the sequence-parallel degree {p}")
         hp, valid = heads // p, image_valid.shape[0]
         send = torch.stack([q, k, v]).view(3, b, s_local, p, hp, dh).permute(3, 0, 1, 2, 4, 5)  # (P, 3, B, s, H/P, Dh)
-        got = _all_to_all(send, self.group)  # chunk j: rank j's tokens, this rank's heads
+        got = exchange(send.contiguous(), self.group)  # chunk j: rank j's tokens, this rank's heads
         img = got[:, :, :, :image_tokens].permute(1, 2, 0, 3, 4, 5).reshape(3, b, p * image_tokens, hp, dh)
         txt = got[:, :, :, image_tokens:].permute(1, 2, 0, 3, 4, 5).reshape(3, b, p * (s_local - image_tokens), hp,
                                                                               dh)
@@ -99,7 +124,7 @@ class SequenceShards:
         img_out = torch.cat([out[:, :valid], out[:, valid + text_total:]], dim=1).view(b, p, image_tokens, hp, dh)
         txt_out = out[:, valid: valid + text_total].reshape(b, p, s_local - image_tokens, hp, dh)
         back = torch.cat([img_out, txt_out], dim=2).permute(1, 0, 2, 3, 4)  # (P, B, s, H/P, Dh): chunk j to rank j
-        got = _all_to_all(back, self.group)  # chunk j: this rank's tokens, rank j's heads
+        got = exchange(back.contiguous(), self.group)  # chunk j: this rank's tokens, rank j's heads
         return got.permute(1, 2, 0, 3, 4).reshape(b, s_local, heads * dh)
 
     def shard_forward(self, image: torch.Tensor, text: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -96,6 +96,10 @@ def _run_job(job: dict, runtime, groups: RankGroups, conn, device: torch.device)
     if groups.sequence is not None and dit.prepared.graphs is not None:
         dit.prepared.disable_cuda_graphs()
         notes.append("CUDA graphs: off under Ulysses sequence parallel (the all-to-alls run between the blocks)")
+    if groups.sequence is not None:
+        notes.append("Ulysses exchange: " + ("traced into the compiled block (functional all-to-alls)"
+                                             if plan.forward.ulysses_traced_exchange else
+                                             "eager between two graphs of each block"))
     interrupts = _Interrupts(conn, device)
     rank = groups.place.rank
 

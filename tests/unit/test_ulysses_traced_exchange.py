@@ -1,0 +1,79 @@
+"""Ulysses' exchange traced into the compiled block (``ForwardOptions.ulysses_traced_exchange``), on two gloo processes
+with the tiny DiT (2 heads): the same prediction as the eager exchange and as one process, and the block with its
+two all-to-alls one graph (the eager exchange: two graphs around it), none compiled again on the next call.
+
+Graphs are counted, and their all-to-all nodes with them, by a backend that runs them eagerly (no code generation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from pack import load_pack
+
+load_pack()  # the spawned ranks import this module without the conftest
+
+from qwen_edit_hopper.qwen_edit import fast_forward  # noqa: E402
+from qwen_edit_hopper.qwen_edit.fast.options import SHIPPED  # noqa: E402
+from qwen_edit_hopper.qwen_edit.fast_forward import PreparedDit  # noqa: E402
+from qwen_edit_hopper.qwen_edit.parallel.ulysses import SequenceShards  # noqa: E402
+from test_fast_forward import build_dit, make_inputs, rel  # noqa: E402
+
+
+class CountingBackend:
+    """A torch.compile backend that runs graphs eagerly and counts them and their all-to-all nodes."""
+
+    def __init__(self):
+        self.graphs = self.all_to_alls = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        self.all_to_alls += sum(1 for node in gm.graph.nodes if "all_to_all" in str(node.target))
+        return gm.forward
+
+
+def _rank(rank: int, port: int, out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    shards = SequenceShards(group=dist.group.WORLD, degree=2, rank=rank)
+    inputs = make_inputs(torch.float32)
+    results = {}
+    with torch.no_grad():
+        single = fast_forward.fast_model_fn(PreparedDit(build_dit(torch.float32, layers=3)), **inputs)
+        for traced in (False, True):
+            torch._dynamo.reset()
+            options = dataclasses.replace(SHIPPED, ulysses_traced_exchange=traced)
+            dit = PreparedDit(build_dit(torch.float32, layers=3))
+            counter = CountingBackend()
+            dit.compile_blocks(backend=counter)
+            out = fast_forward.fast_model_fn(dit, **inputs, options=options, sequence_shards=shards)
+            first = counter.graphs
+            again = fast_forward.fast_model_fn(dit, **inputs, options=options, sequence_shards=shards)
+            results[str(traced)] = {"rel_single": rel(out, single), "graphs": first, "graphs_after": counter.graphs,
+                                    "all_to_alls": counter.all_to_alls,
+                                    "same_again": bool(torch.equal(out, again))}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def test_traced_exchange_predicts_as_the_eager_one_with_its_section_in_the_graph(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "results.json"
+    mp.spawn(_rank, args=(port, str(out)), nprocs=2, join=True)
+    results = json.loads(out.read_text())
+    eager, traced = results["False"], results["True"]
+    for variant in (eager, traced):
+        assert variant["rel_single"] < 1e-5, results  # Ulysses' prediction is the one-process prediction
+        assert variant["same_again"], results
+        assert variant["graphs_after"] == variant["graphs"], results  # no recompile on the next call
+    assert (eager["graphs"], eager["all_to_alls"]) == (2, 0), results  # two graphs around the eager exchange
+    assert (traced["graphs"], traced["all_to_alls"]) == (1, 2), results  # one graph with both all-to-alls
