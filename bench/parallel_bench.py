@@ -29,7 +29,6 @@ wall: the host or a wait holds it back), the top kernels and the top host-side o
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -46,6 +45,7 @@ from pack import load_pack
 
 load_pack()
 
+from comfy_server import free_port  # noqa: E402
 from full_size_files import DIT_FILES, FOLDERS, dit_entries, write_file  # noqa: E402
 from harness_forward import FASTEST_GEMM_KERNEL, FASTEST_PRESET  # noqa: E402
 from harness_models import FULL, TINY, configs  # noqa: E402
@@ -180,7 +180,7 @@ def profile_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     plan = make_plan(dit_file(args.models, tiny, device), tiny).with_forward(args.options)
     runtime = PlanRuntime(device, dtype)
     dit = runtime.dit(plan).prepared
-    if getattr(dit, "graphs", None) is not None:
+    if dit.graphs is not None:
         dit.disable_cuda_graphs()
     text_dim = configs(TINY if tiny else FULL)[0].text_dim
     cond = conditioning(text_dim, args.size, device, dtype, args.references)
@@ -230,9 +230,7 @@ def profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.tiny and torch.cuda.device_count() < args.profile_degree:
         parser.error(f"--profile-degree {args.profile_degree}: {torch.cuda.device_count()} GPUs visible")
     dit_file(args.models, args.tiny, torch.device("cpu" if args.tiny else "cuda"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     if args.profile_degree == 1:
         profile_rank(0, args, port)
     else:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 from datetime import timedelta
 
 import torch
@@ -18,6 +17,8 @@ from pack import load_pack
 
 load_pack()  # the spawned ranks import this module without the conftest
 
+import test_fast_forward_compile  # noqa: E402
+from comfy_server import free_port  # noqa: E402
 from qwen_edit_hopper.qwen_edit import fast_forward  # noqa: E402
 from qwen_edit_hopper.qwen_edit.fast.options import SHIPPED  # noqa: E402
 from qwen_edit_hopper.qwen_edit.fast_forward import PreparedDit  # noqa: E402
@@ -25,16 +26,16 @@ from qwen_edit_hopper.qwen_edit.parallel.ulysses import SequenceShards  # noqa: 
 from test_fast_forward import build_dit, make_inputs, rel  # noqa: E402
 
 
-class CountingBackend:
-    """A torch.compile backend that runs graphs eagerly and counts them and their all-to-all nodes."""
+class CountingBackend(test_fast_forward_compile.CountingBackend):
+    """The compile tests' graph-counting backend, counting the graphs' all-to-all nodes too."""
 
     def __init__(self):
-        self.graphs = self.all_to_alls = 0
+        super().__init__()
+        self.all_to_alls = 0
 
     def __call__(self, gm, example_inputs):
-        self.graphs += 1
         self.all_to_alls += sum(1 for node in gm.graph.nodes if "all_to_all" in str(node.target))
-        return gm.forward
+        return super().__call__(gm, example_inputs)
 
 
 def _rank(rank: int, port: int, out_path: str) -> None:
@@ -64,9 +65,7 @@ def _rank(rank: int, port: int, out_path: str) -> None:
 
 
 def test_traced_exchange_predicts_as_the_eager_one_with_its_section_in_the_graph(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "results.json"
     mp.spawn(_rank, args=(port, str(out)), nprocs=2, join=True)
     results = json.loads(out.read_text())
