@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,3 +24,13 @@ def test_two_ranks_profile_the_sharded_forward_and_name_the_exchange(tmp_path):
     assert "ms per forward over 2 calls" in out
     host_ops = out.split("top host-side ops (self time):")[1]
     assert "alltoall" in host_ops  # the (functional) all-to-all around the attention ran and was profiled
+
+
+def test_more_ranks_than_gpus_are_refused_before_any_file_is_written(tmp_path):
+    if torch.cuda.device_count() >= 8:
+        pytest.skip("8 GPUs visible")
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "parallel_bench.py"), str(tmp_path),
+                          "--profile-degree", "8"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert f"--profile-degree 8: {torch.cuda.device_count()} GPUs visible" in run.stderr
+    assert not any(tmp_path.iterdir())  # no DiT file written

@@ -1,4 +1,4 @@
-"""The kernel categories of bench/profile_forward.py, on kernel names seen in H200 profiles."""
+"""bench/profile_forward.py: its kernel categories on kernel names seen in H200 profiles, and its --options specs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from profile_forward import category
+from profile_forward import category, options_named
 
 
 @pytest.mark.parametrize(("name", "expected"), [
@@ -24,3 +24,14 @@ from profile_forward import category
 ])
 def test_kernel_names_fall_in_their_category(name, expected):
     assert category(name) == expected
+
+
+def test_options_specs_turn_fields_on_and_off_and_bad_ones_name_the_input():
+    assert options_named("shipped-with:ulysses_traced_exchange").ulysses_traced_exchange is True
+    assert options_named("shipped-without:trim_last_block+gelu_gemm").describe() == \
+        "shipped except trim_last_block=False, gelu_gemm=()"
+    for spec, message in (("fastest", "--options 'fastest': use shipped, unfused"),
+                          ("shipped-with:no_such_field", "no option 'no_such_field'; options: trim_last_block"),
+                          ("shipped-with:gelu_gemm", "gelu_gemm is not a True/False option")):
+        with pytest.raises(SystemExit, match=message):
+            options_named(spec)
