@@ -184,6 +184,12 @@ PLANS: dict[str, Plan] = {
         ServerSpec("twenty", "fastest:vary*20"),
     ), description="0.3.75 defaults: 20 fastest prompts in a row on a fresh server, each with a new "
                     "seed and prompt (the first one compiles)"),
+    "v075-twenty-warm-cache": Plan("0.3.75", (
+        ServerSpec("twenty", "fastest:vary*20"),
+        ServerSpec("warm-cache", "fastest,fastest", caches="reuse"),
+    ), description="0.3.75 defaults: 20 fastest prompts in a row on a fresh server, each with a new seed and "
+                    "prompt (the first one compiles); a second server on the first one's Inductor/Triton caches: "
+                    "its first fastest image and one more"),
     "v075-core": Plan("0.3.75", (
         ServerSpec("core", "core*2,free,core:compile*2,free,fastest*2"),
     ), description="0.3.75 defaults: ComfyUI core's own workflow x2, with TorchCompileModel x2, "

@@ -139,7 +139,7 @@ commands() {
   }
   local base="pack server av"
   echo; echo "(a) ComfyUI 0.3.75 with its defaults: three independent calls"
-  for plan in v075-first-images v075-twenty v075-core; do
+  for plan in v075-first-images v075-twenty v075-twenty-warm-cache v075-core; do
     echo "- $plan: $($HERE_PY bench/product_path.py plan $plan --field description)"
     call "$base comfyui-0.3.75" "bash bench/product_path_device.sh run $plan --commit $commit"
   done
