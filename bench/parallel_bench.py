@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the tiny DiT on the CPU (checks the code path)")
     parser.add_argument("--options", default="shipped", type=options_named,
                         help="the fast forward's options: shipped, unfused, shipped-without:F[+F...], shipped-with:F "
-                             "(e.g. shipped-with:ulysses_traced_exchange)")
+                             "(e.g. shipped-without:ulysses_traced_exchange)")
     parser.add_argument("--profile-degree", type=int, choices=(1, 2, 4, 8),
                         help="instead of the layouts: profile one forward on this many Ulysses ranks (1: no shards)")
     parser.add_argument("--warmup", type=int, default=3, help="--profile-degree: forwards before timing")

@@ -68,8 +68,9 @@ class ForwardOptions:
             text stream at batch 1; ``fp8.small_m_gemm``; Hopper), where cuBLASLt's pick is slow.
         ulysses_traced_exchange: under Ulysses sequence parallel, the exchange around the attention (layout
             changes, two all-to-alls as functional collectives, the attention's quantization and call) is traced
-            into the compiled block: one graph per block; off, that section runs eagerly between two graphs. Off
-            in the shipped options until GPU runs measure it.
+            into the compiled block: one graph per block; off, that section runs eagerly between two graphs. On
+            in the shipped options: on two H200s one Ulysses 2 rank's forward takes 147 ms traced against 329 ms
+            eager (decision 0014).
     """
 
     trim_last_block: bool = True
@@ -82,7 +83,7 @@ class ForwardOptions:
     joint_v_gemm: bool = True
     residual_epilogue: tuple[str, ...] = RESIDUAL_SITES
     small_m_gemm: bool = True
-    ulysses_traced_exchange: bool = False
+    ulysses_traced_exchange: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -27,6 +27,7 @@ def test_kernel_names_fall_in_their_category(name, expected):
 
 
 def test_options_specs_turn_fields_on_and_off_and_bad_ones_name_the_input():
+    assert options_named("shipped-without:ulysses_traced_exchange").ulysses_traced_exchange is False
     assert options_named("shipped-with:ulysses_traced_exchange").ulysses_traced_exchange is True
     assert options_named("shipped-without:trim_last_block+gelu_gemm").describe() == \
         "shipped except trim_last_block=False, gelu_gemm=()"
