@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -147,7 +148,10 @@ def kernel_category(name: str) -> str:
 def profile_summary(prof, wall_ms: float, top: int = 10) -> str:
     """Kernel ms by category against ``wall_ms``, the ``top`` kernels and the ``top`` host-side ops."""
     averages = prof.key_averages()
-    kernels = [(e.key, e.self_device_time_total / 1e3, e.count) for e in averages if e.self_device_time_total > 0]
+    # Device events only: a host op that launches a kernel (a custom op, nccl:all_to_all, aten::copy_) carries that
+    # kernel's time as its own self device time too, which would count it twice.
+    kernels = [(e.key, e.self_device_time_total / 1e3, e.count) for e in averages
+               if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
     by_category: dict[str, float] = {}
     for name, ms, _ in kernels:
         by_category[kernel_category(name)] = by_category.get(kernel_category(name), 0.0) + ms

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,3 +35,24 @@ def test_more_ranks_than_gpus_are_refused_before_any_file_is_written(tmp_path):
     assert run.returncode == 2
     assert f"--profile-degree 8: {torch.cuda.device_count()} GPUs visible" in run.stderr
     assert not any(tmp_path.iterdir())  # no DiT file written
+
+
+def test_the_summary_counts_each_kernel_once_not_again_under_the_host_op_that_launched_it():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from parallel_bench import profile_summary
+    from torch.autograd import DeviceType
+
+    def event(key, device_us, kind, cpu_us=0.0):
+        return SimpleNamespace(key=key, self_device_time_total=device_us, device_type=kind, count=60,
+                               self_cpu_time_total=cpu_us)
+
+    averages = [event("qwen_edit_hopper::cudnn_fp8_attention", 31_800.0, DeviceType.CPU, 12_000.0),
+                event("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f8", 31_800.0, DeviceType.CUDA),
+                event("nccl:all_to_all", 37_200.0, DeviceType.CPU, 900.0),
+                event("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 37_200.0, DeviceType.CUDA)]
+    out = profile_summary(SimpleNamespace(key_averages=lambda: averages), wall_ms=100.0)
+    assert "kernels outside NCCL 31.8 ms (32% of the wall)" in out
+    assert "by category: NCCL 37.2 ms, attention 31.8 ms" in out
+    kernels = out.split("top kernels:")[1].split("top host-side ops")[0]
+    assert "qwen_edit_hopper::cudnn_fp8_attention" not in kernels and "nccl:all_to_all" not in kernels
+    assert "qwen_edit_hopper::cudnn_fp8_attention" in out.split("top host-side ops")[1]
