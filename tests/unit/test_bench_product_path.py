@@ -219,6 +219,8 @@ def test_summary_and_table_of_a_run():
     assert ("| 0.3.75 | GPU peak of a fastest prompt <= 28 GiB (card; PyTorch's allocator), on servers where no "
             "ComfyUI-loader prompt ran before it | 30.00 GiB; ") in checks
     assert "empty Inductor cache <= 75 s | 85.0 s | no |" in checks
+    # a row whose jobs did not run says so instead of an empty figure
+    assert "| GPU peak of a low VRAM prompt <= 20 GiB (card) | not measured in these runs |  |" in checks
     assert "| a LoRA change: time, recompiles (none expected) | 3.0 s, graphs compiled 0 | yes |" in checks
     # the pack's prompts and ComfyUI core's are counted apart
     assert "| every prompt of the pack's workflows ran (failures by job) | 5 of 5 ok | yes |" in checks
