@@ -297,7 +297,7 @@ def quantize_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFi
             del layer
     report = ConversionReport(config, decisions, _notes(config, capability.reason), bytes_before,
                               module_bytes(module), time.perf_counter() - started)
-    logger.info("%s", report.summary())
+    logger.debug("%s", report.summary())  # callers log the whole build once (a grouped build calls this per group)
     return report
 
 

@@ -168,7 +168,8 @@ class QwenEditSampler(io.ComfyNode):
         result, timings = run_edit(rt, pipe, request, callbacks)
         node_s = time.perf_counter() - started
         lines = [size_note, *notes, f"steps: {steps}, cfg: {cfg:g}, seed: {seed}",
-                 pipe.short_label(dtype_label(rt.dtype)), compute_note(rt.device, rt.dtype),
+                 pipe.short_label(dtype_label(rt.dtype), cuda_graphs_ran=timings.extra.get("cuda_graphs") == "on"),
+                 compute_note(rt.device, rt.dtype),
                  f"prompt encoding: {timings.encode_s:.2f} s{' (cached)' if timings.encode_cached else ''}",
                  f"denoising: {timings.denoise_s:.2f} s ({timings.denoise_s / steps:.3f} s/step)",
                  f"VAE decode: {timings.decode_s:.2f} s", f"total: {timings.total_s:.2f} s",

@@ -162,7 +162,9 @@ def run_benchmark(runtime: PlanRuntime, plans: list[PipePlan], request: EditRequ
         images.append(image)
         reference = images[0]
         variants.append(VariantResult(
-            label=plan.short_label(dtype_label(runtime.dtype)), attention=plan.attention,
+            label=plan.short_label(dtype_label(runtime.dtype),
+                                   cuda_graphs_ran=timings.extra.get("cuda_graphs") == "on"),
+            attention=plan.attention,
             seconds_per_image=statistics.median(per_image),
             seconds_per_step=statistics.median(per_step), denoise_s=steady, first_run_s=first_run.total_s,
             compile_s=compile_s, peak_bytes=peak,

@@ -146,10 +146,11 @@ class PipePlan:
             lines.append(f"parallel: {self.parallel.describe()}")
         return "\n".join(lines)
 
-    def short_label(self, dtype_label: str = "bf16") -> str:
+    def short_label(self, dtype_label: str = "bf16", cuda_graphs_ran: bool | None = None) -> str:
         """A compact label such as ``bf16`` or ``fp8 scaled_mm_rowwise + lora x1 + compiled``.
 
-        ``dtype_label`` names the compute dtype of a pipe without FP8 (``float32`` on a CPU).
+        ``dtype_label`` names the compute dtype of a pipe without FP8 (``float32`` on a CPU). ``cuda_graphs_ran``:
+        whether a run used the CUDA graphs the plan asks for (None: label the request).
         """
         parts = [dtype_label] if self.fp8 is None else [f"fp8 {self.fp8.backend}"]
         if self.fp8 is not None and self.fp8.backend == "te":
@@ -157,7 +158,8 @@ class PipePlan:
         if self.loras:
             parts.append("+".join(f"{lora.path.stem}x{lora.strength:g}" for lora in self.loras))
         if self.compile:
-            parts.append("compiled" + (" + CUDA graphs" if self.compile.cuda_graphs else ""))
+            graphs = self.compile.cuda_graphs if cuda_graphs_ran is None else cuda_graphs_ran
+            parts.append("compiled" + (" + CUDA graphs" if graphs else ""))
         if self.attention not in ("auto", "sdpa"):
             parts.append(self.attention)
         if self.forward != SHIPPED:

@@ -93,7 +93,7 @@ def dequantize(
             tensors[key] = tensor.to(dtype)
         del tensor
     if unscaled:
-        logger.info("%s: %d float8 tensors have no scale; upcast with scale 1", source.name, unscaled)
+        logger.debug("%s: %d float8 tensors have no scale; upcast with scale 1", source.name, unscaled)
     return tensors
 
 

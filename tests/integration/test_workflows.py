@@ -78,6 +78,7 @@ def test_every_api_twin_completes_and_writes_its_image(emulating_comfy: ComfySer
         assert "+ cudnn_fp8_emulated" in history  # the Sampler's label of the pipe it ran
         # the preset asks for CUDA graphs; on this CPU server the Compile node says they do not apply
         assert "CUDA graphs need a CUDA GPU, so forwards run kernel by kernel" in history
+        assert "compiled + CUDA graphs" not in history  # the Sampler labels what ran, not what was asked for
     if name == "qwen_edit_fastest_2gpu":  # two gloo worker processes stand for the two GPUs, and the nodes say so
         history = json.dumps(emulating_comfy.get("/history").json())
         assert "no GPU here: 2 worker processes on the CPU" in history

@@ -26,3 +26,13 @@ def test_plan_labels_carry_the_compute_dtype():
     assert plan.short_label() == "bf16"
     assert plan.short_label("float32") == "float32"
     assert "fp8: off (float32)" in plan.describe("float32")
+
+
+def test_the_label_names_cuda_graphs_only_where_they_ran():
+    from qwen_edit_hopper.qwen_edit.compile import CompileChoice
+
+    plan = PipePlan(files=None, variant=Variant.EDIT_2509, variant_reason="test",
+                    compile=CompileChoice(cuda_graphs=True))
+    assert plan.short_label() == "bf16 + compiled + CUDA graphs"  # the request
+    assert plan.short_label(cuda_graphs_ran=False) == "bf16 + compiled"
+    assert plan.short_label(cuda_graphs_ran=True) == "bf16 + compiled + CUDA graphs"
