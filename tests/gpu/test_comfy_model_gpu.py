@@ -8,7 +8,8 @@ MODEL as the shipped workflow sets it (row-wise cuBLASLt GEMMs on the fastest pr
 compiled blocks), and the same with Apply TE-FP8's ``model_block: pack fused`` (the pack's ``fast_block`` through
 ComfyUI's block-replacement hook, compiled, its fused kernels as the kernel plan picks them). Prints ms per call,
 the ratio and each path's relative error against ComfyUI core bf16 eager, then for each path the kernel time of one
-call by category (bench/profile_forward.py's) and its top kernels; asserts the error bounds (the speed target is printed, not asserted: it is for the benchmark record).
+call by category (bench/profile_forward.py's) and its top kernels; asserts the error bounds (the speed target is
+printed, not asserted: it is for the benchmark record).
 
 Run on the device machine (ComfyUI's source: ``QWEN_EDIT_COMFYUI_DIR``, default ``.testenv/comfyui``)::
 
