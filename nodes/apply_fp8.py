@@ -15,6 +15,11 @@ MODULATION = ["fp8 storage", "bf16"]
 GEMM_KERNELS = ["cublaslt", "torch"]
 COMFY_ATTENTION = "comfyui"
 MODEL_ATTENTION = [COMFY_ATTENTION, "cudnn_fp8", "sdpa", "sdpa_cudnn", "sdpa_flash", "flash_attn", "triton_fp8"]
+COMFY_BLOCK = "comfyui"
+FUSED_BLOCK = "pack fused"
+MODEL_BLOCK = [COMFY_BLOCK, FUSED_BLOCK]
+FUSED_BLOCK_ATTENTION = "sdpa"
+"""The fused block's attention when the node's attention is comfyui (the fused block calls the pack's backends)."""
 
 
 def build_config(backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation,
@@ -140,6 +145,12 @@ class ApplyFP8(io.ComfyNode):
                                tooltip="MODEL input only: the attention the MODEL runs. comfyui: ComfyUI's own "
                                "(unchanged); cudnn_fp8: cuDNN FP8 attention (Hopper, the fastest); the others as on "
                                "Load Qwen Edit. The pipe's attention is chosen on Load Qwen Edit."),
+                io.Combo.Input("model_block", options=MODEL_BLOCK, default=COMFY_BLOCK, optional=True,
+                               tooltip="MODEL input only: the transformer block's forward. comfyui: ComfyUI's own "
+                               "(with this node's FP8 layers). pack fused: the pack's fused block through ComfyUI's "
+                               "block-replacement hook (fused fp8 kernels on Hopper; attention comfyui runs sdpa "
+                               "there). 2511's zero-timestep conditioning and text padding masks run ComfyUI's "
+                               "block, said in the log."),
             ],
             outputs=[
                 PIPE.Output(
@@ -154,7 +165,7 @@ class ApplyFP8(io.ComfyNode):
     @classmethod
     def validate_inputs(
         cls, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation, fast_accum,
-        gemm_kernel="cublaslt", where_unsupported=REFUSE, attention=COMFY_ATTENTION,
+        gemm_kernel="cublaslt", where_unsupported=REFUSE, attention=COMFY_ATTENTION, model_block=COMFY_BLOCK,
     ):
         from ..fp8 import check_backend, preset_names
 
@@ -164,7 +175,7 @@ class ApplyFP8(io.ComfyNode):
                                 layers=(layers, preset_names()), modulation=(modulation, MODULATION),
                                 gemm_kernel=(gemm_kernel, GEMM_KERNELS),
                                 where_unsupported=(where_unsupported, WHERE_UNSUPPORTED),
-                                attention=(attention, MODEL_ATTENTION))
+                                attention=(attention, MODEL_ATTENTION), model_block=(model_block, MODEL_BLOCK))
         if problem:
             return problem
         try:
@@ -184,7 +195,7 @@ class ApplyFP8(io.ComfyNode):
     def execute(
         cls, backend, te_recipe, fp8_format, amax_history_len, amax_compute_algo, layers, modulation,
         fast_accum=True, gemm_kernel="cublaslt", where_unsupported=REFUSE, model=None, attention=COMFY_ATTENTION,
-        pipe=None,
+        pipe=None, model_block=COMFY_BLOCK,
     ) -> io.NodeOutput:
         from ..fp8 import plan_linears
         from ..qwen_edit.checkpoints.shapes import dit_on_meta
@@ -196,7 +207,7 @@ class ApplyFP8(io.ComfyNode):
             gemm_kernel, where_unsupported,
         )
         if model is not None:
-            return model_fp8(model, config, note, attention, where_unsupported)
+            return model_fp8(model, config, note, attention, where_unsupported, model_block)
         if not isinstance(pipe, PipePlan):
             raise NodeInputError("pipe: expected the output of Load Qwen Edit")
         decisions = plan_linears(dit_on_meta(pipe.files), config)
@@ -218,12 +229,18 @@ class ApplyFP8(io.ComfyNode):
         return io.NodeOutput(pipe.with_fp8(config), info, None, ui=ui.PreviewText(info))
 
 
-def model_fp8(model, config, note: str, attention: str, where_unsupported: str) -> io.NodeOutput:
-    """Apply TE-FP8 on a ComfyUI MODEL: a clone with the fp8 copy of its DiT and, if chosen, the pack's attention."""
+def model_fp8(model, config, note: str, attention: str, where_unsupported: str,
+              model_block: str = COMFY_BLOCK) -> io.NodeOutput:
+    """Apply TE-FP8 on a ComfyUI MODEL: a clone with the fp8 copy of its DiT and, if chosen, the pack's attention
+    and the pack's fused block."""
     from .comfy_model.attention import set_attention
+    from .comfy_model.block_replace import remove_block_replace, set_block_replace
     from .comfy_model.check import ComfyModelError
     from .comfy_model.fp8_model import fp8_model
 
+    problem = check_choices(model_block=(model_block, MODEL_BLOCK))
+    if problem:
+        raise NodeInputError(problem)
     attention, attention_note = model_attention(attention, where_unsupported)
     try:
         clone, held = fp8_model(model, config)
@@ -231,8 +248,17 @@ def model_fp8(model, config, note: str, attention: str, where_unsupported: str) 
         raise NodeInputError(str(error)) from error
     if attention != COMFY_ATTENTION:
         set_attention(clone, attention)
+    if model_block == FUSED_BLOCK:
+        block_attention = FUSED_BLOCK_ATTENTION if attention == COMFY_ATTENTION else attention
+        set_block_replace(clone, block_attention)
+        block_line = (f"block: pack fused (qwen_edit.fast fast_block through ComfyUI's double_block replacement, "
+                      f"attention {block_attention}; 2511's zero-timestep conditioning and text masks run ComfyUI's "
+                      "block, said in the log)")
+    else:
+        remove_block_replace(clone)
+        block_line = "block: comfyui (ComfyUI's own block forward)"
     lines = [f"FP8 on ComfyUI's Qwen-Image MODEL: {held.report.summary()}", *([note] if note else []),
-             f"attention: {attention}" + (f" ({attention_note})" if attention_note else ""),
+             f"attention: {attention}" + (f" ({attention_note})" if attention_note else ""), block_line,
              "LoRA patches on FP8 layers: applied to the bf16 weights, then quantized, when ComfyUI loads the model"]
     for action, name, reason, count in held.report.grouped():
         lines.append(f"{action} ({reason}): {name}" + (f" x{count}" if count > 1 else ""))

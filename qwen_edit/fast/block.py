@@ -83,10 +83,18 @@ def qkv_layers(attn: torch.nn.Module, image_stream: bool) -> tuple[torch.nn.Modu
     return (attn.to_q, attn.to_k, attn.to_v) if image_stream else (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
 
 
+def head_shape(attn: torch.nn.Module) -> tuple[int, int]:
+    """(heads, head_dim) of a block's attention: DiffSynth's ``num_heads`` / ``head_dim``, or ComfyUI's ``heads`` /
+    ``dim_head`` (``comfy.ldm.qwen_image.model.Attention``)."""
+    if hasattr(attn, "num_heads"):
+        return attn.num_heads, attn.head_dim
+    return attn.heads, attn.dim_head
+
+
 def _qkv(attn: torch.nn.Module, layers: tuple[torch.nn.Module, ...], x: torch.Tensor | Prequantized,
          kernels: BlockKernels) -> tuple[torch.Tensor, ...]:
     """q, k, v of one stream, each (B, S, H, Dh) (views into one GEMM output when fused)."""
-    heads, head_dim = attn.num_heads, attn.head_dim
+    heads, head_dim = head_shape(attn)
     if len(layers) == 1:
         return apply_linear(layers[0], x, kernels).unflatten(-1, (3, heads, head_dim)).unbind(2)
     return tuple(apply_linear(p, x, kernels).unflatten(-1, (heads, head_dim)) for p in layers)
@@ -96,7 +104,7 @@ def _qkv_unbiased(attn: torch.nn.Module, layers: tuple[torch.nn.Module, ...], x:
                   kernels: BlockKernels) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
     """Like :func:`_qkv`, but a row-wise fp8 layer's bias is left out and returned, (H, Dh) per q / k / v,
     for the consumer to add in its own pass (:func:`.prequant.unbiased_output`); None where it was added."""
-    heads, head_dim = attn.num_heads, attn.head_dim
+    heads, head_dim = head_shape(attn)
     b, s = (x.batch, x.tokens) if isinstance(x, Prequantized) else x.shape[:2]
     flat = x if isinstance(x, Prequantized) else x.reshape(-1, x.shape[-1])
     outputs = [unbiased_output(layer, flat, kernels) for layer in layers]
@@ -177,7 +185,8 @@ def fast_block(
 
     Args:
         block: a DiffSynth ``QwenImageTransformerBlock`` (optionally after :func:`.qkv.fuse_qkv` and
-            ``fp8.quantize_linears``).
+            ``fp8.quantize_linears``), or ComfyUI's (same modules; its heads named as :func:`head_shape` reads,
+            its MLP activation as :mod:`.mlp` reads).
         image: (B, S_img, D) image tokens (target, then references).
         text: (B, L, D) text tokens, right-padded.
         temb_img: (Bt, D), or (2 * Bt, D) with ``selector``: ``silu(conditioning)`` for ``img_mod``;

@@ -41,7 +41,7 @@ from ...fp8.norm_quant import norm_quant_capability
 from ...fp8.small_m_gemm import config_for_shape
 from ..kernels.joint_v_gemm import MIN_IMAGE_ROWS
 from ..kernels.qk_norm_rope_quant import qk_norm_rope_quant_capability
-from .block import qkv_layers
+from .block import head_shape, qkv_layers
 from .block_kernels import BlockKernels
 from .fp8_attention import joint_v_layers
 from .mlp import gelu_gemm_layer, mlp_takes_prequantized, uses_fused_gelu_quant
@@ -307,7 +307,7 @@ def select_kernels(dit: torch.nn.Module, options: ForwardOptions, device: torch.
     blocks_list = list(dit.transformer_blocks)
     report = _Report(len(blocks_list))
     dim = dit.transformer_blocks[0].attn.to_out[0].out_features if blocks_list else 0
-    head_dim = blocks_list[0].attn.head_dim if blocks_list else 0
+    head_dim = head_shape(blocks_list[0].attn)[1] if blocks_list else 0
     hidden = max((b.img_mlp.net[2].in_features for b in blocks_list), default=0)
     triton = triton_capability()
 
@@ -354,7 +354,7 @@ def select_kernels(dit: torch.nn.Module, options: ForwardOptions, device: torch.
     if report.gate("gelu_quant", gelu_quant_gate):
         count = _count(block_facts, lambda b: any(b.mlp_fused[s] and s not in gelu_gemm for s in STREAMS))
         none = ("the fused GELU GEMM computes every MLP's hidden state" if gelu_gemm
-                else "no MLP down-projection is a row-wise fp8 GEMM layer")
+                else "no MLP with the kernels' GELU (y * sigmoid(1.702 y)) has a row-wise fp8 down-projection")
         report.blocks_using("gelu_quant", count, none)
 
     # attention: cuDNN FP8's q / k / v

@@ -13,11 +13,16 @@ Where the plan allows ``gelu_gemm`` for the stream, the up-projection is a fast-
 with a ``column_bound`` and the input arrives quantized with its rows' norms (:func:`uses_gelu_gemm`), one Triton
 GEMM does the up-projection, bias, GELU and the e4m3 cast (:func:`...fp8.gelu_gemm.gelu_gemm_rowwise`), with a row
 scale from a bound instead of the row's amax; the bf16 hidden state is never written.
+
+ComfyUI's ``FeedForward`` has the same layers, but its ``net[0]`` is ``GELU(approximate="tanh")`` (the released
+model's activation). The fused kernels compute ``y * sigmoid(1.702 y)`` only, so such an MLP runs the plain path
+with its own activation (:func:`sigmoid_gelu`, :func:`activation`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 from ...fp8.gelu_gemm import gelu_gemm_rowwise
 from ...fp8.gelu_quant import gelu_quantize_rowwise
@@ -25,14 +30,28 @@ from .block_kernels import BlockKernels
 from .prequant import Prequantized, linear, takes_prequantized, unbiased_output
 from .residual_gemm import gated_residual_gemm
 
-__all__ = ["gelu_gemm_layer", "mlp_forward", "mlp_residual", "mlp_takes_prequantized", "uses_fused_gelu_quant",
-           "uses_gelu_gemm"]
+__all__ = ["activation", "gelu_gemm_layer", "mlp_forward", "mlp_residual", "mlp_takes_prequantized", "sigmoid_gelu",
+           "uses_fused_gelu_quant", "uses_gelu_gemm"]
+
+
+def sigmoid_gelu(mlp: torch.nn.Module) -> bool:
+    """True when the MLP's activation is DiffSynth's ``y * sigmoid(1.702 y)`` (the fused kernels' math); False for
+    an up-projection module naming another (ComfyUI's ``GELU`` and its ``approximate``)."""
+    return getattr(mlp.net[0], "approximate", None) is None
+
+
+def activation(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation of the up-projection output ``h`` (any shape, its dtype)."""
+    approximate = getattr(mlp.net[0], "approximate", None)
+    if approximate is None:
+        return h * torch.sigmoid(1.702 * h)
+    return F.gelu(h, approximate=approximate)
 
 
 def uses_fused_gelu_quant(mlp: torch.nn.Module, kernels: BlockKernels) -> bool:
-    """True when :func:`mlp_forward` takes the fused kernel for this MLP: the plan allows it and ``net[2]`` is a
-    row-wise fp8 GEMM layer."""
-    return kernels.gelu_quant and takes_prequantized(mlp.net[2])
+    """True when :func:`mlp_forward` takes the fused kernel for this MLP: the plan allows it, the activation is the
+    kernel's (:func:`sigmoid_gelu`) and ``net[2]`` is a row-wise fp8 GEMM layer."""
+    return kernels.gelu_quant and sigmoid_gelu(mlp) and takes_prequantized(mlp.net[2])
 
 
 def mlp_takes_prequantized(mlp: torch.nn.Module, kernels: BlockKernels) -> bool:
@@ -82,7 +101,7 @@ def _plain(mlp: torch.nn.Module, x: torch.Tensor, kernels: BlockKernels) -> torc
     if kernels.small_m_gemm:
         return mlp.net[2](mlp.net[0](x))
     h = linear(mlp.net[0].proj, x, kernels)
-    return linear(mlp.net[2], h * torch.sigmoid(1.702 * h), kernels)
+    return linear(mlp.net[2], activation(mlp, h), kernels)
 
 
 def mlp_forward(mlp: torch.nn.Module, x: torch.Tensor | Prequantized, kernels: BlockKernels) -> torch.Tensor:

@@ -5,9 +5,11 @@ blocks, default 8) with random bf16 weights inside a real ``ModelPatcher``, and 
 (``BaseModel.apply_model``, what KSampler calls per step, batch 2 = true CFG) at a 1024x1024 edit (4096 target +
 4096 reference tokens, 300 text tokens) for: ComfyUI core bf16 compiled (its best on Hopper), and the pack's FP8
 MODEL as the shipped workflow sets it (row-wise cuBLASLt GEMMs on the fastest preset's layers, cuDNN FP8 attention,
-compiled blocks). Prints ms per call, the ratio and each path's relative error against ComfyUI core bf16 eager, then
-for each path the kernel time of one call by category (bench/profile_forward.py's) and its top kernels; asserts the
-error bound (the speed target is printed, not asserted: it is for the benchmark record).
+compiled blocks), and the same with Apply TE-FP8's ``model_block: pack fused`` (the pack's ``fast_block`` through
+ComfyUI's block-replacement hook, compiled, its fused kernels as the kernel plan picks them). Prints ms per call,
+the ratio and each path's relative error against ComfyUI core bf16 eager, then for each path the kernel time of one
+call by category (bench/profile_forward.py's) and its top kernels; asserts the error bounds (the speed target is
+printed, not asserted: it is for the benchmark record).
 
 Run on the device machine (ComfyUI's source: ``QWEN_EDIT_COMFYUI_DIR``, default ``.testenv/comfyui``)::
 
@@ -105,6 +107,7 @@ def test_fp8_model_error_and_speed_against_comfyui_core():
     import comfy.supported_models
     from qwen_edit_hopper.fp8 import Fp8Config
     from qwen_edit_hopper.nodes.comfy_model.attention import set_attention
+    from qwen_edit_hopper.nodes.comfy_model.block_replace import set_block_replace
     from qwen_edit_hopper.nodes.comfy_model.compile import set_compile
     from qwen_edit_hopper.nodes.comfy_model.fp8_model import fp8_model
     from workflows import FASTEST_LAYERS
@@ -124,15 +127,23 @@ def test_fp8_model_error_and_speed_against_comfyui_core():
     set_attention(fast, "cudnn_fp8")
     set_compile(fast, "default", True)
     fast_out, fast_ms, fast_profile = _call(comfy, fast, inputs)
+    fused = fast.clone()
+    fused_blocks = set_block_replace(fused, "cudnn_fp8")
+    fused_out, fused_ms, fused_profile = _call(comfy, fused, inputs)
 
     def rel(a):
         return float((a - reference).norm() / reference.norm())
 
     print(f"\n{LAYERS} blocks, batch 2 (true CFG), 1024x1024 edit: ComfyUI bf16 eager {eager_ms:.1f} ms; "
           f"ComfyUI bf16 compiled {core_ms:.1f} ms (rel. err {rel(core_out):.2e}); pack FP8 MODEL compiled "
-          f"{fast_ms:.1f} ms (rel. err {rel(fast_out):.2e}); ratio {fast_ms / core_ms:.2f} (target <= 0.55)")
+          f"{fast_ms:.1f} ms (rel. err {rel(fast_out):.2e}); ratio {fast_ms / core_ms:.2f} (target <= 0.55); "
+          f"pack FP8 MODEL, fused block, compiled {fused_ms:.1f} ms (rel. err {rel(fused_out):.2e}); ratio "
+          f"{fused_ms / core_ms:.2f}")
     print(held.report.summary())
+    print(f"fused block kernels: {fused_blocks.last_kernels}")
     for label, text in (("ComfyUI bf16 eager", eager_profile), ("ComfyUI bf16 compiled", core_profile),
-                        ("pack FP8 MODEL compiled", fast_profile)):
+                        ("pack FP8 MODEL compiled", fast_profile), ("pack FP8 MODEL, fused block", fused_profile)):
         print(f"{label}:\n{text}")
+    assert fused_blocks.last_kernels is not None, "the fused block never ran"
     assert rel(fast_out) < 5e-2
+    assert rel(fused_out) < 5e-2
