@@ -146,12 +146,13 @@ FASTEST_LAYERS = "attn+mlp+mod compute"
 
 
 def _fp8(node_id: int, pos, pipe: tuple[int, int], backend: str, layers: str = "attn+mlp", source: str = "pipe",
-         attention: str = "comfyui") -> Node:
-    """Apply TE-FP8 on a pipe, or with ``source="model"`` on a ComfyUI MODEL (its ``attention`` then applies)."""
+         attention: str = "comfyui", model_block: str = "comfyui") -> Node:
+    """Apply TE-FP8 on a pipe, or with ``source="model"`` on a ComfyUI MODEL (its ``attention`` and ``model_block``
+    then apply)."""
     return Node(node_id, "QwenEditHopper_ApplyFP8", {
         "backend": backend, "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
         "amax_compute_algo": "max", "layers": layers, "modulation": "fp8 storage", "fast_accum": True,
-        "gemm_kernel": "cublaslt", "where_unsupported": "refuse", "attention": attention,
+        "gemm_kernel": "cublaslt", "where_unsupported": "refuse", "attention": attention, "model_block": model_block,
     }, links={source: pipe}, pos=pos)
 
 
@@ -260,13 +261,15 @@ CORE_SHIFT = 3.1
 
 def preset_comfy_model_fp8() -> Workflow:
     """ComfyUI core's Qwen-Image-Edit-2509 graph with Apply TE-FP8 and Compile Model on its MODEL."""
-    fp8 = _fp8(6, (840, 0), (5, 0), "scaled_mm_rowwise", FASTEST_LAYERS, source="model", attention="cudnn_fp8")
+    fp8 = _fp8(6, (840, 0), (5, 0), "scaled_mm_rowwise", FASTEST_LAYERS, source="model", attention="cudnn_fp8",
+               model_block="pack fused")
     compile_node = _compile(7, (1260, 0), (6, 2), source="model")
     encode = {"clip": (3, 0), "vae": (4, 0), "image1": (1, 0)}
     return Workflow("qwen_edit_comfy_model_fp8", "ComfyUI core nodes + FP8",
                     "ComfyUI's own Qwen-Image-Edit-2509 graph (UNETLoader, CLIPLoader, TextEncodeQwenImageEditPlus, "
                     "ModelSamplingAuraFlow, KSampler) with Apply TE-FP8 and Compile Model on its MODEL: the fastest "
-                    "preset's row-wise FP8 linears, cuDNN FP8 attention and compiled blocks, for KSampler and any "
+                    "preset's row-wise FP8 linears, cuDNN FP8 attention, the pack's fused block through ComfyUI's "
+                    "block-replacement hook and compiled blocks, for KSampler and any "
                     "other MODEL node. LoRAs loaded with LoraLoaderModelOnly before Apply TE-FP8 are applied to the "
                     "bf16 weights, then quantized. The edit has the input picture's size.",
                     [_image(1, (0, 700)),
