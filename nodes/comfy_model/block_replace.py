@@ -32,11 +32,11 @@ compute something else:
   taken off by someone else).
 
 Kernels: on CUDA, :meth:`...qwen_edit.fast.prepared.PreparedDit.kernels` (``select_kernels``) picks them per
-shape, as the pack's fast forward does, with :data:`OPTIONS` (the shipped options without the forward-level
-ones: modulation runs per block, and the last block returns every token because ComfyUI's forward reads them).
-ComfyUI's MLP activation is ``GELU(tanh)``, which the fused GELU kernels do not compute, so its MLPs run their
-plain path (``qwen_edit.fast.mlp.sigmoid_gelu``). On any other device the block runs without fused kernels
-(``BlockKernels()``). fp8 layers are those of :mod:`.fp8_model` (separate Q/K/V projections: ComfyUI's forward
+shape, as the pack's fast forward does, with :func:`fused_block_options` (the shipped options without the
+forward-level ones: modulation runs per block, and the last block returns every token because ComfyUI's forward
+reads them). ComfyUI's MLP activation is ``GELU(tanh)``, which the fused GELU kernels do not compute, so its MLPs
+run their plain path (``qwen_edit.fast.mlp.sigmoid_gelu``). On any other device the block runs without fused
+kernels (``BlockKernels()``). fp8 layers are those of :mod:`.fp8_model` (separate Q/K/V projections: ComfyUI's forward
 never used fused ones).
 
 Compile: when the MODEL carries :mod:`.compile`'s ``APPLY_MODEL`` wrapper (Compile Model), ``fast_block`` runs
@@ -46,6 +46,7 @@ through one ``torch.compile`` of it with that wrapper's mode, dynamic and extra 
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from dataclasses import dataclass, replace
@@ -60,7 +61,10 @@ FACTS_KEY = "qwen_edit_hopper.block_replace"
 PATCH_NAME, BLOCK_NAME = "dit", "double_block"
 
 
-def _options():
+@functools.cache
+def fused_block_options():
+    """The shipped forward options without the forward-level ones (made once: every block of every call reads
+    them)."""
     from ...qwen_edit.fast.options import SHIPPED
 
     return replace(SHIPPED, trim_last_block=False, shared_modulation=False)
@@ -119,7 +123,7 @@ class FastBlocks:
         shape = ForwardShape(batch=img.shape[0], image_tokens=img.shape[1], target_tokens=img.shape[1] - references,
                              text_tokens=txt.shape[1], timestep_rows=vec.shape[0], zero_cond_t=False,
                              text_mask=False, dtype=img.dtype)
-        return prepared.kernels(_options(), self.backend, shape, img.device).block
+        return prepared.kernels(fused_block_options(), self.backend, shape, img.device).block
 
     def tables(self, pe: torch.Tensor, text_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(cos, sin), each (S_img + L, Dh / 2) float32 in ``[image, text]`` order, or None when the batch's

@@ -42,10 +42,9 @@ def sigmoid_gelu(mlp: torch.nn.Module) -> bool:
 
 def activation(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     """The MLP's activation of the up-projection output ``h`` (any shape, its dtype)."""
-    approximate = getattr(mlp.net[0], "approximate", None)
-    if approximate is None:
+    if sigmoid_gelu(mlp):
         return h * torch.sigmoid(1.702 * h)
-    return F.gelu(h, approximate=approximate)
+    return F.gelu(h, approximate=mlp.net[0].approximate)
 
 
 def uses_fused_gelu_quant(mlp: torch.nn.Module, kernels: BlockKernels) -> bool:
