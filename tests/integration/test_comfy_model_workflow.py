@@ -155,7 +155,7 @@ def test_a_lora_on_the_model_is_applied_and_strength_zero_gives_the_base_back(co
 def test_a_model_it_cannot_honour_is_refused_naming_it_and_the_next_prompt_runs(core_comfy: ComfyServer):
     from prompts import TEXT_ENCODER, loader
     from qwen_edit_hopper.qwen_edit.tiny import dit_file_name
-    from server_checks import failing_node
+    from server_checks import failing_node, rejected
 
     fp8_weights = cpu_prompt(pack=True, seed=13, prefix="fp8_weights")
     unet = next(n for n in fp8_weights.values() if n["class_type"] == "UNETLoader")
@@ -169,6 +169,12 @@ def test_a_model_it_cannot_honour_is_refused_naming_it_and_the_next_prompt_runs(
     next(n for n in both.values() if n["class_type"] == "QwenEditHopper_ApplyFP8")["inputs"]["pipe"] = ["130", 0]
     node, message = failing_node(core_comfy, both)
     assert node == "QwenEditHopper_ApplyFP8" and "pipe / model: connect exactly one" in message
+
+    unknown_block = cpu_prompt(pack=True, seed=13, prefix="unknown_block")
+    next(n for n in unknown_block.values() if n["class_type"] == "QwenEditHopper_ApplyFP8")["inputs"][
+        "model_block"] = "fused"
+    message = rejected(core_comfy, unknown_block)  # refused before anything is loaded
+    assert "model_block" in message and "fused" in message
 
     reference, _, _ = run_latent(core_comfy, cpu_prompt(pack=False, seed=13, prefix="after_core"))
     latent, _, _ = run_latent(core_comfy, cpu_prompt(pack=True, seed=13, prefix="after_pack"))

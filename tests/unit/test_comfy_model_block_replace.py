@@ -225,6 +225,7 @@ def test_apply_fp8_node_option(comfy):
     assert _rel(_sample(comfy, fused), _sample(comfy, default)) < 1e-3
     with pytest.raises(NodeInputError, match=r"model_block 'fused' is not one of comfyui, pack fused"):
         ApplyFP8.execute(**widgets, model=base, model_block="fused")
+    assert replaced_blocks(base) == [] and not base.object_patches  # the refused call left the MODEL as it was
     problem = ApplyFP8.validate_inputs(**widgets, model_block="on")
     assert isinstance(problem, str) and problem.startswith("model_block 'on'")
 
