@@ -190,6 +190,12 @@ PLANS: dict[str, Plan] = {
     ), description="0.3.75 defaults: 20 fastest prompts in a row on a fresh server, each with a new seed and "
                     "prompt (the first one compiles); a second server on the first one's Inductor/Triton caches: "
                     "its first fastest image and one more"),
+    "v075-start": Plan("0.3.75", (
+        ServerSpec("cold", "fastest,fastest"),
+        ServerSpec("warm-cache", "fastest,fastest", caches="reuse"),
+    ), description="0.3.75 defaults: the cold-start rows alone: a fresh server's first fastest image with empty "
+                    "Inductor/Triton caches and one more, then a second server on those caches: its first and one "
+                    "more"),
     "v075-core": Plan("0.3.75", (
         ServerSpec("core", "core*2,free,core:compile*2,free,fastest*2"),
     ), description="0.3.75 defaults: ComfyUI core's own workflow x2, with TorchCompileModel x2, "
@@ -521,6 +527,9 @@ def parse_stages(info: str) -> dict[str, Any]:
             out[key] = int(m.group(1)) if key == "graphs_compiled" else float(m.group(1))
     if "prompt encoding:" in info:
         out["encode_cached"] = bool(re.search(r"prompt encoding: [0-9.]+ s \(cached\)", info))
+    if m := re.search(r"models loaded this prompt: (.*)", info):
+        loads = re.findall(r"([A-Za-z ]+?) ([0-9.]+) s", m.group(1))
+        out["loads_s"] = {kind.strip(): float(seconds) for kind, seconds in loads}
     if m := re.search(r"CUDA graphs: (.*)", info):
         out["cuda_graphs"] = m.group(1).strip()
     return out

@@ -175,6 +175,9 @@ class QwenEditSampler(io.ComfyNode):
                  f"VAE decode: {timings.decode_s:.2f} s", f"total: {timings.total_s:.2f} s",
                  f"Sampler node: {node_s:.2f} s (the total plus {max(node_s - timings.total_s, 0):.2f} s of set-up: "
                  "memory check, models loaded or looked up, image conversion)"]
+        if timings.extra.get("loads"):
+            lines.append("models loaded this prompt: " + ", ".join(f"{kind} {seconds:.2f} s"
+                                                               for kind, seconds in timings.extra["loads"]))
         if pipe.compile is not None:
             step_s = timings.extra["step_s"]
             lines.append(f"compiled: first step {step_s[0]:.2f} s (includes any compile), graphs compiled this run: "

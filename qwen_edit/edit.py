@@ -58,7 +58,8 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
     as a black image.
 
     ``timings.extra["step_s"]`` holds seconds per denoising step (the first includes any compile);
-    ``timings.extra["kernels"]`` the denoising forward's kernel plan (``fast.kernel_plan.KernelPlan``).
+    ``timings.extra["kernels"]`` the denoising forward's kernel plan (``fast.kernel_plan.KernelPlan``);
+    ``timings.extra["loads"]`` the ``(kind, seconds)`` of each model built for this edit.
     Raises ``fit.NotEnoughMemoryError`` before loading anything when the prompt cannot fit the device.
     """
     callbacks = callbacks or Callbacks()
@@ -66,6 +67,7 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
     device, dtype = runtime.device, runtime.dtype
     timings = Timings(steps=request.steps)
     timings.extra["memory_need"] = check_fits(runtime, plan, request).describe()
+    loads_before = len(runtime.loads)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -84,10 +86,12 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
 
     callbacks.check_interrupt()
     if plan.parallel is not None:
+        timings.extra["loads"] = runtime.loads[loads_before:]
         latents = _denoise_parallel(runtime, plan, request, conditioning, callbacks, timings)
         return _decode(runtime, plan, request, conditioning, latents, sampler, timings)
     dit = runtime.dit(plan)
     runtime.use([dit])
+    timings.extra["loads"] = runtime.loads[loads_before:]
     if "cuda_graphs" in dit.extra:
         timings.extra["cuda_graphs"] = dit.extra["cuda_graphs"]
     if needs_calibration(plan, dit):

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import logging
 import threading
+import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -81,6 +82,8 @@ class PlanRuntime:
         self._sources: dict[tuple, Any] = {}
         self._loras: OrderedDict[tuple, Any] = OrderedDict()
         self._lock = threading.RLock()
+        self.loads: list[tuple[str, float]] = []
+        """``(kind, seconds)`` of every model built, in order (kind: ``"text encoder"``, ``"VAE"``, ``"DiT"``)."""
         self.conditioning = ConditioningCache()
         """Encoded prompts and reference latents (on the device), dropped with the encoders that made them."""
 
@@ -98,10 +101,12 @@ class PlanRuntime:
             if resident is not None:
                 return resident
             logger.info("loading %s", label)
+            started = time.perf_counter()
             self.hooks.reserve(nbytes_hint)
             with building(), released_on_failure(self.device):
                 module = build()
             module.eval().requires_grad_(False)
+            self.loads.append((LOAD_KINDS.get(key[0], str(key[0])), time.perf_counter() - started))
             resident = Resident(key=key, module=module, nbytes=module_bytes(module, self.device), label=label)
             resident.handle = self.hooks.register(resident)
             self._residents[key] = resident
@@ -279,6 +284,9 @@ def text_encoder_key(plan: PipePlan) -> tuple:
 def vae_key(plan: PipePlan) -> tuple:
     return ("vae", files_identity(plan.files.vae))
 
+
+LOAD_KINDS = {"text_encoder": "text encoder", "vae": "VAE", "dit": "DiT"}
+"""What :attr:`PlanRuntime.loads` calls each kind of model."""
 
 LORA_CACHE = 4
 """Parsed LoRAs kept (their factors live in host memory: about 1.2 GB for a rank-64 Lightning LoRA)."""

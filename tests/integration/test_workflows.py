@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -79,6 +80,8 @@ def test_every_api_twin_completes_and_writes_its_image(emulating_comfy: ComfySer
         # the preset asks for CUDA graphs; on this CPU server the Compile node says they do not apply
         assert "CUDA graphs need a CUDA GPU, so forwards run kernel by kernel" in history
         assert "compiled + CUDA graphs" not in history  # the Sampler labels what ran, not what was asked for
+        # the Sampler names the models a prompt built and their seconds (a first prompt's set-up)
+        assert re.search(r"models loaded this prompt: [^\"]*DiT [0-9]+\.[0-9]{2} s", history)
     if name == "qwen_edit_fastest_2gpu":  # two gloo worker processes stand for the two GPUs, and the nodes say so
         history = json.dumps(emulating_comfy.get("/history").json())
         assert "no GPU here: 2 worker processes on the CPU" in history
