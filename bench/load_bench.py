@@ -7,7 +7,8 @@ folder) on the GPU and times, each after one untimed pass that puts the file in 
   group at a time) and by the staged reader (``checkpoints.staged_read``) at several thread counts;
 * the DiT build of the fastest preset (fp8 row-wise, "attn+mlp+mod compute": ``dit_build.build_dit``);
 * the text encoder: its file read into host memory (``load_text_encoder`` on the CPU), then its layers moved into
-  page-locked memory for streaming (``stream_layers``).
+  page-locked memory for streaming (``LayerStreaming.add_all``) with one thread and with the runtime's count, then
+  both as the runtime does them (``stream_layers``).
 
 Run from the repo root on the GPU machine, with the pack's dependencies importable::
 
@@ -43,7 +44,15 @@ from qwen_edit_hopper.qwen_edit.checkpoints.safetensors_io import load_tensors  
 from qwen_edit_hopper.qwen_edit.checkpoints.staged_read import read_groups  # noqa: E402
 from qwen_edit_hopper.qwen_edit.dit_build import DitSource, build_dit  # noqa: E402
 from qwen_edit_hopper.qwen_edit.runtime import text_encoder_units  # noqa: E402
-from qwen_edit_hopper.qwen_edit.streaming import stream_layers  # noqa: E402
+from qwen_edit_hopper.qwen_edit.streaming import PIN_THREADS, LayerStreaming, stream_layers  # noqa: E402
+
+
+def _card_used_gib(device: torch.device) -> float | None:
+    """GPU memory in use on the card (the driver's count: PyTorch's pool included), GiB."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return round((total - free) / 2**30, 2)
 
 
 def _sync() -> None:
@@ -57,6 +66,32 @@ def _timed(work) -> float:
     work()
     _sync()
     return time.perf_counter() - started
+
+
+class _SafetensorsGroups:
+    """A ``DitSource`` whose groups are read by safetensors' own reader, one tensor after another (the comparison)."""
+
+    def __init__(self, source: DitSource):
+        self.source = source
+
+    def __getattr__(self, name: str):
+        return getattr(self.source, name)
+
+    def read_groups(self, groups, *, device, dtype):
+        from qwen_edit_hopper.qwen_edit.checkpoints.scaled_fp8 import dequantize
+
+        for group, spans in zip(groups, self.source.spans(groups), strict=True):
+            tensors = {}
+            for path in {span.path for span in spans}:
+                names = {s.key: s.name for s in spans if s.path == path}
+                tensors.update((names[k], t) for k, t in load_tensors(path, device=device, keys=list(names)).items())
+            yield group, dequantize(tensors, dtype=dtype, source=self.source.path)
+
+
+def _streamed_text_encoder(files, device: torch.device) -> torch.nn.Module:
+    model = load_text_encoder(files, device="cpu")
+    stream_layers(model, text_encoder_units(model), device)
+    return model
 
 
 def _safetensors_groups(source: DitSource, device: torch.device) -> int:
@@ -93,9 +128,12 @@ def main() -> int:
     rows: list[dict] = []
 
     def row(part: str, seconds: float, nbytes: int) -> None:
+        card = _card_used_gib(device)
         rows.append({"part": part, "s": round(seconds, 3), "GB": round(nbytes / 1e9, 2),
-                     "GB/s": round(nbytes / 1e9 / seconds, 2)})
-        print(f"  {part}: {seconds:.2f} s", flush=True)
+                     "GB/s": round(nbytes / 1e9 / seconds, 2), "card_used_GiB": card,
+                     "torch_allocated_GiB": round(torch.cuda.memory_allocated() / 2**30, 2)
+                     if device.type == "cuda" else None})
+        print(f"  {part}: {seconds:.2f} s, card {card} GiB", flush=True)
 
     _staged_groups(source, device, 8)  # the file into the page cache, the CUDA context up
     row("DiT groups, safetensors load_tensors", _timed(lambda: _safetensors_groups(source, device)), dit_bytes)
@@ -105,9 +143,11 @@ def main() -> int:
     config = Fp8Config(backend="scaled_mm_rowwise", preset=FASTEST_PRESET, gemm_kernel=FASTEST_GEMM_KERNEL,
                        emulate=device.type != "cuda")
     built: list = []
-    for attempt in range(2):
-        row(f"DiT build, fastest fp8 preset (#{attempt + 1})",
-            _timed(lambda: built.append(build_dit(source, device=device, fp8_config=config))), dit_bytes)
+    for attempt, reader in enumerate(("staged", "safetensors", "staged")):
+        built_from = source if reader == "staged" else _SafetensorsGroups(source)
+        row(f"DiT build, fastest fp8 preset, {reader} reads (#{attempt + 1})",
+            _timed(lambda: built.append(build_dit(built_from, device=device, fp8_config=config))),  # noqa: B023
+            dit_bytes)
         built.clear()
         gc.collect()
         if device.type == "cuda":
@@ -117,16 +157,26 @@ def main() -> int:
     models = []
     row("text encoder file -> host tensors", _timed(lambda: models.append(load_text_encoder(files, device="cpu"))),
         te_bytes)
-    model = models.pop()
     if device.type == "cuda":
-        row("text encoder layers -> page-locked memory",
-            _timed(lambda: stream_layers(model, text_encoder_units(model), device)), te_bytes)
-    print("\n| part | s | GB | GB/s |\n|---|---|---|---|")
+        for threads in (1, PIN_THREADS):
+            model = models.pop() if models else load_text_encoder(files, device="cpu")
+            streaming = LayerStreaming(device)
+            row(f"text encoder layers -> page-locked memory, {threads} threads",
+                _timed(lambda: streaming.add_all(text_encoder_units(model), threads)), te_bytes)  # noqa: B023
+            streaming.remove()
+            del model, streaming
+            gc.collect()
+        row("text encoder as the runtime builds it (file -> host tensors -> page-locked layers)",
+            _timed(lambda: _streamed_text_encoder(files, device).layer_streaming.remove()), te_bytes)
+    allocator = torch.cuda.get_allocator_backend() if device.type == "cuda" else "cpu"
+    print(f"\nallocator: {allocator}; card GiB: in use on the card right after the part (before the next one's "
+          "clean-up)\n\n| part | s | GB | GB/s | card GiB | torch GiB |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['part']} | {r['s']:.2f} | {r['GB']:.2f} | {r['GB/s']:.2f} |")
+        print(f"| {r['part']} | {r['s']:.2f} | {r['GB']:.2f} | {r['GB/s']:.2f} | {r['card_used_GiB']} | "
+              f"{r['torch_allocated_GiB']} |")
     if args.json:
         card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        args.json.write_text(json.dumps({"card": card, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"card": card, "allocator": allocator, "rows": rows}, indent=1))
     return 0
 
 

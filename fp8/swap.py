@@ -210,11 +210,13 @@ def _decide(name: str, layer: nn.Linear, config: Fp8Config, layer_filter: LayerF
 
 
 def plan_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFilter | None = None,
-                 scope: Callable[[str], bool] | None = None) -> tuple[LayerDecision, ...]:
+                 scope: Callable[[str], bool] | None = None, prefix: str = "") -> tuple[LayerDecision, ...]:
     """Decisions :func:`quantize_linears` would take, without changing anything (no capability check).
 
     ``scope(qualified_name) -> bool`` limits the decisions to the linears it accepts (None: all); a model
-    converted part by part (one block at a time) passes the part's names.
+    converted part by part (one block at a time) passes the part's names. ``prefix``: ``module`` is the submodule
+    of that name in a larger model (``"transformer_blocks.7."``): decisions, presets and filters see the larger
+    model's names, and only ``module`` is walked.
     Raises :class:`~.errors.Fp8ShapeError` under ``config.force`` for a selected layer it cannot convert.
     """
     if not isinstance(module, nn.Module):
@@ -222,7 +224,7 @@ def plan_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFilter
     if not isinstance(config, Fp8Config):
         raise TypeError(f"config must be an Fp8Config, got {type(config).__name__}")
     decisions = []
-    for name, layer in module.named_modules():
+    for name, layer in module.named_modules(prefix=prefix.rstrip(".")):
         if scope is not None and not scope(name):
             continue
         if isinstance(layer, (Fp8Linear, TeLinear)):
@@ -261,7 +263,7 @@ def _notes(config: Fp8Config, capability_reason: str) -> tuple[str, ...]:
 
 
 def quantize_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFilter | None = None,
-                     scope: Callable[[str], bool] | None = None) -> ConversionReport:
+                     scope: Callable[[str], bool] | None = None, prefix: str = "") -> ConversionReport:
     """Convert ``module``'s linears in place (the caller owns ``module``) and report every decision.
 
     module: any ``nn.Module`` holding ``nn.Linear`` children (weights bf16 / fp16
@@ -269,14 +271,15 @@ def quantize_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFi
     config: :class:`~.config.Fp8Config`. layer_filter: ``(linear, qualified_name)
     -> bool``, see the module docstring. scope: ``qualified_name -> bool``, the
     linears to look at (None: all; see :func:`plan_linears`); the report's bytes
-    are then those of the whole module.
+    are then those of the whole module. prefix: ``module``'s name in a larger
+    model, whose names the decisions carry (see :func:`plan_linears`).
 
     Returns a :class:`ConversionReport`. Raises Fp8UnavailableError (backend
     cannot run here, with the reason), Fp8ShapeError (``force`` and a layer it
     cannot take), Fp8Error (meta weights; TE weight check), TypeError (bad args).
     """
     started = time.perf_counter()
-    decisions = plan_linears(module, config, layer_filter, scope)
+    decisions = plan_linears(module, config, layer_filter, scope, prefix)
     capability = require_backend(config)
     recipe = build_recipe(config.te_recipe) if config.backend == "te" else None
     bytes_before = module_bytes(module)
@@ -290,7 +293,7 @@ def quantize_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFi
         for decision in decisions:
             if decision.action == KEPT:
                 continue
-            layer = module.get_submodule(decision.name)
+            layer = module.get_submodule(decision.name[len(prefix):])
             new = _convert(layer, decision, config, recipe)
             for parent, child_name in parents[id(layer)]:
                 setattr(parent, child_name, new)

@@ -140,7 +140,10 @@ def _restricted(lora: Any, names: set[str]) -> Any:
 
 
 def _expected(model: torch.nn.Module, group: str) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()
+    """The group's tensor names and shapes in the model (a block's from the block alone: one walk per group, not
+    one over the whole model)."""
+    part = model if group == REST else model.get_submodule(group.rstrip("."))
+    return {name: tuple(t.shape) for name, t in part.state_dict(prefix=group, keep_vars=True).items()
             if group_of(name) == group and not name.startswith("pos_embed.")}
 
 
@@ -266,7 +269,7 @@ def _quantize_group(model: torch.nn.Module, group: str, fp8_config: Any):
 
     if group == REST:
         return quantize_linears(model, fp8_config, scope=lambda name: group_of(name + ".") == REST)
-    return quantize_linears(model, fp8_config, scope=lambda name: name.startswith(group))
+    return quantize_linears(model.get_submodule(group.rstrip(".")), fp8_config, prefix=group)
 
 
 @torch.no_grad()

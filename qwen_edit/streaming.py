@@ -20,13 +20,19 @@ is not used.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
+
+PIN_THREADS = 8
+"""Units page-locked and copied at a time by :meth:`LayerStreaming.add_all` (``cudaHostRegister`` releases the
+GIL; the 8.3 GB fp8 text encoder took 4.9 s with one thread on an H200 host)."""
 
 ALIGN = 256
 """Byte alignment of each tensor in the host arena (enough for any dtype and for fast copies)."""
@@ -66,6 +72,15 @@ class HostArena:
 
     def __del__(self) -> None:
         self.release()
+
+
+def _pinned_copy(unit: nn.Module) -> tuple[HostArena, list[tuple[nn.Module, str, bool, torch.Tensor]]]:
+    """A new pinned arena holding a copy of each of ``unit``'s tensors, and where each belongs (``unit`` is not
+    changed: safe on a worker thread)."""
+    with torch.no_grad():
+        slots = _tensor_slots(unit)
+        arena = HostArena(_arena_bytes([getattr(owner, name) for owner, name, _ in slots]))
+        return arena, [(owner, name, is_param, arena.take(getattr(owner, name))) for owner, name, is_param in slots]
 
 
 def _arena_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -114,16 +129,36 @@ class LayerStreaming:
     def add(self, unit: nn.Module) -> None:
         """Move ``unit``'s tensors (on any device) into a new pinned arena; its old storage is freed once nothing
         else refers to it."""
-        if id(unit) in self._host:
-            return
-        slots = _tensor_slots(unit)
-        arena = HostArena(_arena_bytes([getattr(owner, name) for owner, name, _ in slots]))
-        entries = []
-        for owner, name, is_param in slots:
-            host = arena.take(getattr(owner, name))
+        if id(unit) not in self._host:
+            self._attach(unit, *_pinned_copy(unit))
+
+    @torch.no_grad()
+    def add_all(self, units: Sequence[nn.Module], threads: int = PIN_THREADS) -> None:
+        """:meth:`add` each of ``units`` in order, ``threads`` of them pinned and copied at a time (page-locking
+        is most of the cost, and runs in parallel); at most ``threads`` copies exist beside their originals."""
+        if threads < 1:
+            raise ValueError(f"threads must be positive, got {threads}")
+        todo = [unit for unit in dict.fromkeys(units) if id(unit) not in self._host]
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="qwen-edit-pin") as pool:
+            window: deque[tuple[nn.Module, Future]] = deque()
+            try:
+                for unit in todo:
+                    window.append((unit, pool.submit(_pinned_copy, unit)))
+                    if len(window) >= threads:
+                        done, future = window.popleft()
+                        self._attach(done, *future.result())
+                while window:
+                    done, future = window.popleft()
+                    self._attach(done, *future.result())
+            finally:
+                for _, future in window:
+                    future.cancel()
+
+    def _attach(self, unit: nn.Module, arena: HostArena, entries: list[tuple[nn.Module, str, bool, torch.Tensor]]
+                ) -> None:
+        for owner, name, is_param, host in entries:
             self._set(owner, name, is_param, host)
             self.host_bytes += host.numel() * host.element_size()
-            entries.append((owner, name, is_param, host))
         self._host[id(unit)] = entries
         self.units.append(unit)
         self.arenas.append(arena)
@@ -185,8 +220,7 @@ def stream_layers(model: nn.Module, units: Sequence[nn.Module], device: torch.de
                   hooks: bool = True) -> LayerStreaming:
     """Stream ``units`` of ``model`` (see :class:`LayerStreaming`); kept on the model as ``layer_streaming``."""
     streaming = LayerStreaming(device, hooks)
-    for unit in units:
-        streaming.add(unit)
+    streaming.add_all(units)
     streaming.place_rest(model)
     model.layer_streaming = streaming
     return streaming
