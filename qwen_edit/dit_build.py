@@ -107,7 +107,9 @@ class DitSource:
         reads = read_groups(self.spans(groups), device=device)
         try:
             for group, tensors in zip(groups, reads, strict=True):
-                yield group, dequantize(tensors, dtype=dtype, source=self.path)
+                ready = [dequantize(tensors, dtype=dtype, source=self.path)]
+                del tensors  # this frame keeps no reference while the caller works (and the next group is read)
+                yield group, ready.pop()
         finally:
             reads.close()
 
