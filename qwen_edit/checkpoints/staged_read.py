@@ -10,7 +10,8 @@ tensor, then to the device from pageable memory, one tensor after another. For t
   page-locked (``cudaHostRegister``, as :class:`~qwen_edit.streaming.HostArena`), so the copies to the device run
   at full bus speed and asynchronously;
 * two staging buffers alternate: while the caller dequantizes, fuses and quantizes group ``i``, the threads read
-  group ``i + 1`` (``os.preadv`` releases the GIL);
+  group ``i + 1`` (``os.preadv`` releases the GIL); the copies of a group to the device are waited for before the
+  caller gets it (see :meth:`_Reads.tensors` for why);
 * each tensor is copied into its own device tensor (it owns its memory: nothing keeps the staging buffer alive).
 
 Host memory: two buffers of the largest group (about 0.7 GB for the fp8 DiT, 1.4 GB for bf16), released when the
@@ -97,7 +98,7 @@ def group_bytes(spans: Sequence[Span]) -> int:
 
 
 class _Staging:
-    """One staging buffer: plain host memory, page-locked on CUDA; ``done`` marks the device copies out of it."""
+    """One staging buffer: plain host memory, page-locked on CUDA."""
 
     def __init__(self, nbytes: int, device: torch.device):
         self.device = device
@@ -110,16 +111,8 @@ class _Staging:
             self.arena = None
             self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         self.view = memoryview(self.buffer.numpy())
-        self.done: torch.cuda.Event | None = None
-
-    def wait_free(self) -> None:
-        """Block until the device copies that read this buffer have finished."""
-        if self.done is not None:
-            self.done.synchronize()
-            self.done = None
 
     def release(self) -> None:
-        self.wait_free()
         self.view.release()
         if self.arena is not None:
             self.arena.release()
@@ -171,8 +164,8 @@ class _Reads:
                 future.exception()
 
     def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Each tensor of the group copied from the buffer into its own tensor on ``device`` (asynchronous on
-        CUDA: :attr:`_Staging.done` marks the end), checked for NaN/Inf there (one synchronization)."""
+        """Each tensor of the group copied from the buffer into its own tensor on ``device`` (the copies are
+        finished when this returns: the buffer can take the next group), checked for NaN/Inf there."""
         out: dict[str, torch.Tensor] = {}
         checks: dict[Path, FiniteCheck] = {}
         for span, place in zip(self.spans, self.places, strict=True):
@@ -183,8 +176,10 @@ class _Reads:
             out[span.name] = tensor
             checks.setdefault(span.path, FiniteCheck()).add(span.key, tensor)
         if device.type == "cuda":
-            self.staging.done = torch.cuda.Event()
-            self.staging.done.record(torch.cuda.current_stream(device))
+            # Waited for here, not left in flight: under cudaMallocAsync (ComfyUI's default allocator) letting the
+            # copies run ahead of the next allocations left up to 5 GiB more on the card after the full-size build
+            # than the tensors it kept (bench/card_memory_probe.py); they take about 10 ms a group.
+            torch.cuda.current_stream(device).synchronize()
         try:
             for path, check in checks.items():
                 raise_if_nonfinite(check, source=path)
@@ -249,8 +244,7 @@ def read_groups(groups: Sequence[Sequence[Span]], *, device: torch.device | str,
             current.wait()
             pending = None
             if index + 1 < len(groups):
-                following = stagings[(index + 1) % len(stagings)]
-                following.wait_free()
+                following = stagings[(index + 1) % len(stagings)]  # its copies finished in its group's tensors()
                 pending = _Reads(pool, fds, groups[index + 1], following, chunk_bytes)
             yield current.tensors(device)
     finally:
