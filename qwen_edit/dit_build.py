@@ -1,10 +1,9 @@
 """The DiT a plan asks for, built one group of weights at a time straight from its files.
 
 A group is one transformer block, or everything outside the blocks. Each group is read from the
-checkpoint onto the compute device (``checkpoints.staged_read``: several threads read it into a staging
-buffer of one group, and read the next group while this one is processed; the host holds no copy of the
-model), dequantized to the compute dtype, given the plan's LoRA chain (float32 sum, one rounding) and,
-for an fp8 plan, quantized into the model's fp8 layers.
+checkpoint onto the compute device (safetensors memory-maps the file: the host holds its pages, no
+copy of the model), dequantized to the compute dtype, given the plan's LoRA chain (float32 sum, one
+rounding) and, for an fp8 plan, quantized into the model's fp8 layers, before the next group is read.
 So an fp8 DiT never exists in bf16 as a whole: the device holds the fp8 model built so far and one
 block in bf16 (0.7 GB at full size).
 
@@ -23,7 +22,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +31,9 @@ import torch
 
 from .checkpoints.dit import DiTConfig, create_dit, infer_dit_config
 from .checkpoints.layouts import ModelFiles, ValidatedFiles, read_json, validate_model_files
-from .checkpoints.materialize import check_keys_and_shapes, find_meta_tensors
+from .checkpoints.materialize import check_keys_and_shapes, find_meta_tensors, read_tensors
 from .checkpoints.scaled_fp8 import dequantize, is_scale_key
 from .checkpoints.shapes import strip_prefix, validated_dit_shapes
-from .checkpoints.staged_read import Span, read_groups, spans_of
 
 logger = logging.getLogger(__name__)
 
@@ -79,46 +77,25 @@ class DitSource:
     def model_name(self, stored: str) -> str:
         return strip_prefix(stored, self.prefix)
 
-    def spans(self, groups: Iterable[str]) -> list[list[Span]]:
-        """Per group (in the order given), the spans of its stored tensors: weights, their fp8 scales and markers."""
-        wanted = list(groups)
-        by_group: dict[str, dict[Path, dict[str, str]]] = {group: {} for group in wanted}
-        for header in self.validated.headers["dit"]:
-            for stored in header.tensors:
-                name = self.model_name(stored)
-                owner = name.rpartition(".")[0] + "." if is_scale_key(name) and "." in name else name
-                group = group_of(owner) if is_scale_key(name) and "." in name else group_of(name)
-                if group in by_group:
-                    by_group[group].setdefault(header.path, {})[stored] = name
-        headers = {header.path: header for header in self.validated.headers["dit"]}
-        return [[span for path, names in by_group[group].items() for span in spans_of(headers[path], names)]
-                for group in wanted]
-
-    def read_groups(self, groups: Sequence[str], *, device: torch.device | str, dtype: torch.dtype
-                    ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-        """``(group, model name -> tensor)`` for each of ``groups`` in order, on ``device``, floating tensors in
-        ``dtype``; the next group is read from the file while the caller works on this one (``staged_read``).
+    def read(self, groups: Iterable[str], *, device: torch.device | str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Model name -> tensor for every tensor of ``groups``, on ``device``, floating tensors in ``dtype``.
 
         fp8 weights are dequantized with their scales (``W8.float() * scale``); scales and markers are dropped.
 
         Raises:
             CheckpointError: the file cannot be read, or its fp8 scales are broken (naming the file).
         """
-        reads = read_groups(self.spans(groups), device=device)
-        try:
-            for group, tensors in zip(groups, reads, strict=True):
-                ready = [dequantize(tensors, dtype=dtype, source=self.path)]
-                del tensors  # this frame keeps no reference while the caller works (and the next group is read)
-                yield group, ready.pop()
-        finally:
-            reads.close()
+        wanted = set(groups)
 
-    def read(self, groups: Iterable[str], *, device: torch.device | str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Model name -> tensor for every tensor of ``groups`` together (as :meth:`read_groups`, in one piece)."""
-        merged = [span for spans in self.spans(groups) for span in spans]
-        for tensors in read_groups([merged], device=device):
-            return dequantize(tensors, dtype=dtype, source=self.path)
-        return {}
+        def rename(stored: str) -> str | None:
+            name = self.model_name(stored)
+            if is_scale_key(name):
+                owner = name.rpartition(".")[0] + "." if "." in name else REST
+                return name if group_of(owner) in wanted else None
+            return name if group_of(name) in wanted else None
+
+        tensors, _ = read_tensors(self.validated.headers["dit"], device=device, rename=rename)
+        return dequantize(tensors, dtype=dtype, source=self.path)
 
 
 def _fused(tensors: dict[str, torch.Tensor], chain: LoraChain) -> dict[str, torch.Tensor]:
@@ -208,28 +185,23 @@ def build_dit(source: DitSource, *, device: torch.device | str, dtype: torch.dty
     reports = []
     bytes_before = 0
     fused_qkv = 0
-    check_interrupt()
-    reads = source.read_groups(source.groups(), device=device, dtype=dtype)
-    try:
-        for group, tensors in reads:
-            check_interrupt()
-            tensors = _fused(tensors, loras)
-            bytes_before += sum(t.numel() * t.element_size() for t in tensors.values())
-            _assign(model, group, tensors, source.path)
-            del tensors
-            if fp8_config is not None:
-                reports.append(_quantize_group(model, group, fp8_config))
-            if group == REST:
-                continue
-            index = int(group[len(BLOCKS) + 1:-1])
-            if fp8_config is not None:
-                from .fast.qkv import FP8_FUSED_STREAMS, fuse_block_fp8_qkv
+    for group in source.groups():
+        check_interrupt()
+        tensors = _fused(source.read([group], device=device, dtype=dtype), loras)
+        bytes_before += sum(t.numel() * t.element_size() for t in tensors.values())
+        _assign(model, group, tensors, source.path)
+        del tensors
+        if fp8_config is not None:
+            reports.append(_quantize_group(model, group, fp8_config))
+        if group == REST:
+            continue
+        index = int(group[len(BLOCKS) + 1:-1])
+        if fp8_config is not None:
+            from .fast.qkv import FP8_FUSED_STREAMS, fuse_block_fp8_qkv
 
-                fused_qkv += fuse_block_fp8_qkv(model.transformer_blocks[index], index, FP8_FUSED_STREAMS)
-            if streaming is not None and index >= first_host_block:
-                streaming.add(model.transformer_blocks[index])
-    finally:
-        reads.close()
+            fused_qkv += fuse_block_fp8_qkv(model.transformer_blocks[index], index, FP8_FUSED_STREAMS)
+        if streaming is not None and index >= first_host_block:
+            streaming.add(model.transformer_blocks[index])
     leftover = [name for name in find_meta_tensors(model) if not name.startswith("pos_embed")]
     if leftover:
         raise RuntimeError(f"{source.path.name}: the DiT still has meta tensors after loading: {leftover[:5]}")
