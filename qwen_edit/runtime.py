@@ -107,7 +107,7 @@ class PlanRuntime:
                 module = build()
             module.eval().requires_grad_(False)
             if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # the build's transients (a block in bf16, read buffers): back to the card
+                torch.cuda.empty_cache()  # the build's transients (a block in bf16): back to the card
             self.loads.append((LOAD_KINDS.get(key[0], str(key[0])), time.perf_counter() - started))
             resident = Resident(key=key, module=module, nbytes=module_bytes(module, self.device), label=label)
             resident.handle = self.hooks.register(resident)
