@@ -187,3 +187,16 @@ def test_numerics_report_on_the_tiny_dit():
     assert "| layer | action | backend | rel. error | tokens | calls |" in md
     assert "`transformer_blocks.0.attn.to_q` | fp8 compute | scaled_mm_rowwise |" in md
     assert report.worst(1)[0].rel_error == max(r.rel_error for r in report.rows)
+
+
+def test_a_block_converted_alone_under_its_prefix_matches_the_whole_models_scope():
+    """``prefix``: a block walked alone takes the decisions the whole model takes for it, under the model's names,
+    and converts the same layers (the DiT build quantizes each block this way)."""
+    whole, alone = build_tiny_dit(), build_tiny_dit()
+    by_scope = quantize_linears(whole, EMULATED, scope=lambda name: name.startswith("transformer_blocks.1."))
+    by_prefix = quantize_linears(alone.transformer_blocks[1], EMULATED, prefix="transformer_blocks.1.")
+    assert by_prefix.decisions == by_scope.decisions and by_prefix.counts["fp8 compute"] > 0
+    assert plan_linears(build_tiny_dit().transformer_blocks[1], EMULATED, prefix="transformer_blocks.1.") == \
+        by_scope.decisions
+    assert {n: type(m) for n, m in whole.named_modules()} == {n: type(m) for n, m in alone.named_modules()}
+    assert type(alone.transformer_blocks[0].attn.to_q) is nn.Linear  # outside the block: untouched
