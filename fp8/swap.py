@@ -215,26 +215,34 @@ def plan_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFilter
 
     ``scope(qualified_name) -> bool`` limits the decisions to the linears it accepts (None: all); a model
     converted part by part (one block at a time) passes the part's names. ``prefix``: ``module`` is the submodule
-    of that name in a larger model (``"transformer_blocks.7."``): decisions, presets and filters see the larger
-    model's names, and only ``module`` is walked.
+    of that name in a larger model (``"transformer_blocks.7."``, the dot optional): decisions, presets and filters
+    see the larger model's names, and only ``module`` is walked.
     Raises :class:`~.errors.Fp8ShapeError` under ``config.force`` for a selected layer it cannot convert.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(config, Fp8Config):
         raise TypeError(f"config must be an Fp8Config, got {type(config).__name__}")
+    root = prefix.rstrip(".")
     decisions = []
-    for name, layer in module.named_modules(prefix=prefix.rstrip(".")):
+    for name, layer in module.named_modules(prefix=root):
         if scope is not None and not scope(name):
             continue
         if isinstance(layer, (Fp8Linear, TeLinear)):
             decisions.append(LayerDecision(name, KEPT, None, f"already fp8 ({type(layer).__name__})",
                                            layer.in_features, layer.out_features))
         elif isinstance(layer, nn.Linear):
-            if name == "":
+            if name == root:
                 raise TypeError("quantize_linears converts children in place: pass the module that holds the Linear")
             decisions.append(_decide(name, layer, config, layer_filter))
     return tuple(decisions)
+
+
+def _relative(name: str, prefix: str) -> str:
+    """``name`` (a larger model's, see :func:`plan_linears`) relative to the submodule at ``prefix`` (with or without
+    its trailing dot)."""
+    root = prefix.rstrip(".")
+    return name[len(root) + 1:] if root else name
 
 
 def _convert(layer: nn.Linear, decision: LayerDecision, config: Fp8Config, recipe) -> nn.Module:
@@ -293,7 +301,7 @@ def quantize_linears(module: nn.Module, config: Fp8Config, layer_filter: LayerFi
         for decision in decisions:
             if decision.action == KEPT:
                 continue
-            layer = module.get_submodule(decision.name[len(prefix):])
+            layer = module.get_submodule(_relative(decision.name, prefix))
             new = _convert(layer, decision, config, recipe)
             for parent, child_name in parents[id(layer)]:
                 setattr(parent, child_name, new)

@@ -198,5 +198,8 @@ def test_a_block_converted_alone_under_its_prefix_matches_the_whole_models_scope
     assert by_prefix.decisions == by_scope.decisions and by_prefix.counts["fp8 compute"] > 0
     assert plan_linears(build_tiny_dit().transformer_blocks[1], EMULATED, prefix="transformer_blocks.1.") == \
         by_scope.decisions
+    no_dot = build_tiny_dit()  # the prefix's trailing dot is optional
+    assert quantize_linears(no_dot.transformer_blocks[1], EMULATED, prefix="transformer_blocks.1").decisions == \
+        by_scope.decisions
     assert {n: type(m) for n, m in whole.named_modules()} == {n: type(m) for n, m in alone.named_modules()}
     assert type(alone.transformer_blocks[0].attn.to_q) is nn.Linear  # outside the block: untouched
