@@ -29,6 +29,7 @@ wall: the host or a wait holds it back), the top kernels and the top host-side o
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from datetime import timedelta
@@ -145,6 +146,10 @@ def kernel_category(name: str) -> str:
     return "NCCL" if "nccl" in name.lower() else category(name)
 
 
+COLLECTIVE = re.compile(r"c10d|nccl|gloo|all_?to_?all|all_?gather|all_?reduce|wait_tensor", re.IGNORECASE)
+"""Host ops that are collectives (torch.distributed's, the functional ones, their waits)."""
+
+
 def profile_summary(prof, wall_ms: float, top: int = 10) -> str:
     """Kernel ms by category against ``wall_ms``, the ``top`` kernels and the ``top`` host-side ops."""
     averages = prof.key_averages()
@@ -165,6 +170,10 @@ def profile_summary(prof, wall_ms: float, top: int = 10) -> str:
     host = sorted((e for e in averages if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)[:top]
     lines.append("  top host-side ops (self time):")
     lines += [f"    {e.self_cpu_time_total / 1e3:8.2f} ms x{e.count:<5d} {e.key[:110]}" for e in host]
+    # every collective the ranks called, however short (the top ops above rank them by time among all host ops)
+    collectives = [e for e in averages if e.device_type == DeviceType.CPU and COLLECTIVE.search(e.key)]
+    lines.append("  collectives (host ops): " + (", ".join(f"{e.key[:60]} x{e.count}" for e in collectives)
+                                                 or "none"))
     return "\n".join(lines)
 
 
