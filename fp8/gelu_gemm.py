@@ -5,7 +5,8 @@ M = 8192, 4D = 12288) and :mod:`.gelu_quant` reads it back for bias + GELU + the
 row's amax spans every column tile of the GEMM. Here the row scale is known before the GEMM, from a bound:
 
 * by Cauchy-Schwarz, ``|y[t, j]| <= ||x[t]|| * ||W[j]|| + |b[j]|`` for ``y = x W^T + b`` (x, W dequantized);
-* ``|GELU(y)| <= |y|`` for Qwen-Image's ``y * sigmoid(1.702 y)``;
+* ``|GELU(y)| <= |y|`` for both GELU forms (:data:`.gelu_quant.GELUS`: ``y * sigmoid(1.702 y)`` and the tanh
+  approximation ``y * sigmoid(2 sqrt(2 / pi) (y + 0.044715 y^3))``; a sigmoid is in (0, 1));
 * so ``bound[t] = (||x[t]|| * max_j ||W[j]|| + max_j |b[j]|) * BOUND_MARGIN`` never lets the cast saturate.
 
 ``||x[t]||`` comes from the LayerNorm kernel that quantized x (:mod:`.norm_quant`, ``with_norms``): an upper bound
@@ -18,7 +19,8 @@ bound is about 15x the row's true max (4 binades of e4m3's 15), and the hidden s
 
 The kernel: persistent, TMA loads of x and W (128 x 256 x 128 tiles, 3 stages, 8 warps), fp32 accumulation of the
 e4m3 products without promotion (as cuBLASLt's fast accumulation; only ``fast_accum`` layers take this path),
-then per tile ``acc * x_scale[t] * w_scale[j] + b[j]`` in float32, GELU as ``y * (0.5 + 0.5 tanh(0.851 y))``
+then per tile ``acc * x_scale[t] * w_scale[j] + b[j]`` in float32, GELU as ``y * (0.5 + 0.5 tanh(0.851 y))``, or
+for the tanh form ``y * (0.5 + 0.5 tanh(0.79788 (y + 0.044715 y^3)))``
 (``tanh.approx.f32``: one MUFU op per element instead of ex2 + reciprocal; the identity is exact, the
 approximation's relative error is about 2^-11, far below e4m3's 2^-4 rounding), times ``448 / bound[t]``, clamp,
 round to nearest even e4m3, TMA store. Tiles of the first column block also write ``bound[t] / 448``, the row
@@ -42,6 +44,7 @@ import logging
 import torch
 
 from .capability import Capability
+from .gelu_quant import GELUS, SIGMOID, TANH, reference_gelu
 from .quant import E4M3_MAX, FP8_DTYPE
 
 __all__ = ["BOUND_MARGIN", "CONFIG", "OP_NAME", "SMALL_M_CONFIG", "column_bound", "config_for_rows",
@@ -104,16 +107,17 @@ def row_bound_scale(x_norm: torch.Tensor, col_bound: torch.Tensor) -> torch.Tens
 
 
 def reference_gelu_gemm(x8: torch.Tensor, x_scale: torch.Tensor, x_norm: torch.Tensor, w8: torch.Tensor,
-                        w_scale: torch.Tensor, bias: torch.Tensor | None, col_bound: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernel computes, in float32 torch ops (any device; GELU through ``torch.sigmoid``).
+                        w_scale: torch.Tensor, bias: torch.Tensor | None, col_bound: torch.Tensor,
+                        gelu: str = SIGMOID) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernel computes, in float32 torch ops (any device; GELU in the form ``gelu`` through torch's own
+    functions, :func:`.gelu_quant.reference_gelu`).
 
     Returns (h8 (M, N) float8_e4m3fn, h_scale (M, 1) float32): ``h8 * h_scale`` is GELU(x W^T + b).
     """
     y = (x8.float() * x_scale.reshape(-1, 1).float()) @ (w8.float() * w_scale.reshape(-1, 1).float()).t()
     if bias is not None:
         y = y + bias.float()
-    h = y * torch.sigmoid(1.702 * y)
+    h = reference_gelu(y, gelu)
     h_scale = row_bound_scale(x_norm, col_bound)
     return (h / h_scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE), h_scale
 
@@ -181,7 +185,8 @@ if triton is not None:
     @triton.jit
     def _gelu_gemm_kernel(a_desc, b_desc, c_desc, xs_ptr, xn_ptr, ws_ptr, bias_ptr, cb_ptr, hs_ptr, M, N, K,  # noqa: N803
                           margin, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,  # noqa: N803
-                          BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):  # noqa: N803
+                          BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,  # noqa: N803
+                          TANH: tl.constexpr):  # noqa: N803
         """One persistent program per SM over (BM, BN) output tiles, grouped by GROUP_M row tiles."""
         start = tl.program_id(0)
         w_norm = tl.load(cb_ptr)
@@ -189,7 +194,11 @@ if triton is not None:
         for tile_id in tl.range(start, tl.cdiv(M, BM) * tl.cdiv(N, BN), NUM_SMS, flatten=True):
             y, rows, row_ok, om, on, pid_n = _scaled_tile(a_desc, b_desc, xs_ptr, ws_ptr, bias_ptr, tile_id, M, N, K,
                                                           HAS_BIAS, BM, BN, BK, GROUP_M)
-            th = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [0.851 * y], dtype=tl.float32,
+            if TANH:  # noqa: SIM108 (a constexpr branch: Triton compiles one side)
+                inner = y * (0.7978845608028654 + 0.035677408136300125 * y * y)
+            else:
+                inner = 0.851 * y
+            th = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [inner], dtype=tl.float32,
                                            is_pure=True, pack=1)
             h = y * (0.5 + 0.5 * th)
             bound = tl.maximum((tl.load(xn_ptr + rows, mask=row_ok, other=0.0) * w_norm + b_max) * margin, 1e-30)
@@ -201,7 +210,7 @@ if triton is not None:
 
     @torch.library.custom_op(OP_NAME, mutates_args=())
     def _gelu_gemm_op(x8: torch.Tensor, x_scale: torch.Tensor, x_norm: torch.Tensor, w8: torch.Tensor,
-                      w_scale: torch.Tensor, bias: torch.Tensor | None, col_bound: torch.Tensor
+                      w_scale: torch.Tensor, bias: torch.Tensor | None, col_bound: torch.Tensor, tanh: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         m, k = x8.shape
         n = w8.shape[0]
@@ -214,28 +223,30 @@ if triton is not None:
             TensorDescriptor.from_tensor(x8, [bm, bk]), TensorDescriptor.from_tensor(w8, [bn, bk]),
             TensorDescriptor.from_tensor(out, [bm, bn]), x_scale, x_norm, w_scale,
             bias if bias is not None else w_scale, col_bound, h_scale, m, n, k, BOUND_MARGIN,
-            HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, NUM_SMS=num_sms, num_warps=warps,
-            num_stages=stages)
+            HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, NUM_SMS=num_sms, TANH=tanh,
+            num_warps=warps, num_stages=stages)
         return out, h_scale
 
     @_gelu_gemm_op.register_fake
-    def _(x8, x_scale, x_norm, w8, w_scale, bias, col_bound):
+    def _(x8, x_scale, x_norm, w8, w_scale, bias, col_bound, tanh=False):
         m, n = x8.shape[0], w8.shape[0]
         return (torch.empty((m, n), dtype=FP8_DTYPE, device=x8.device),
                 torch.empty((m, 1), dtype=torch.float32, device=x8.device))
 
 
 def gelu_gemm_rowwise(x8: torch.Tensor, x_scale: torch.Tensor, x_norm: torch.Tensor, w8: torch.Tensor,
-                      w_scale: torch.Tensor, bias: torch.Tensor | None, col_bound: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      w_scale: torch.Tensor, bias: torch.Tensor | None, col_bound: torch.Tensor,
+                      gelu: str = SIGMOID) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize(GELU(x W^T + b))`` with the bound's row scale, in one kernel (module docstring).
 
     x8: (M, K) float8_e4m3fn; x_scale: (M, 1) float32 row scales; x_norm: (M, 1) float32, ``||x8[t] * x_scale[t]||``
     (or any upper bound of it); w8: (N, K) float8_e4m3fn; w_scale: (N, 1) float32; bias: (N,) or None;
-    col_bound: :func:`column_bound` of (w8, w_scale, bias). Returns (h8 (M, N) float8_e4m3fn, h_scale (M, 1)
-    float32), the down-projection's row-wise input. Raises ValueError naming the reason where the kernel cannot run
-    (:func:`gelu_gemm_capability`).
+    col_bound: :func:`column_bound` of (w8, w_scale, bias); gelu: the GELU form (:data:`.gelu_quant.GELUS`).
+    Returns (h8 (M, N) float8_e4m3fn, h_scale (M, 1) float32), the down-projection's row-wise input. Raises
+    ValueError naming the reason where the kernel cannot run (:func:`gelu_gemm_capability`).
     """
+    if gelu not in GELUS:
+        raise ValueError(f"gelu_gemm_rowwise: gelu {gelu!r} is not one of {', '.join(GELUS)}")
     capability = gelu_gemm_capability(x8, w8, True)
     if not capability.ok:
         raise ValueError(f"gelu_gemm_rowwise: {capability.reason}")
@@ -245,4 +256,5 @@ def gelu_gemm_rowwise(x8: torch.Tensor, x_scale: torch.Tensor, x_norm: torch.Ten
                          f"{x_scale.numel()}, {x_norm.numel()}, {w_scale.numel()}, {col_bound.numel()}")
     return _gelu_gemm_op(x8, x_scale.reshape(m).float().contiguous(), x_norm.reshape(m).float().contiguous(), w8,
                          w_scale.reshape(n).float().contiguous(),
-                         bias.contiguous() if bias is not None else None, col_bound.float().contiguous())
+                         bias.contiguous() if bias is not None else None, col_bound.float().contiguous(),
+                         gelu == TANH)

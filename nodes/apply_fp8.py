@@ -149,8 +149,9 @@ class ApplyFP8(io.ComfyNode):
                                tooltip="MODEL input only: the transformer block's forward. comfyui: ComfyUI's own "
                                "(with this node's FP8 layers). pack fused: the pack's fused block through ComfyUI's "
                                "block-replacement hook (fused fp8 kernels on Hopper; attention comfyui runs sdpa "
-                               "there). 2511's zero-timestep conditioning and text padding masks run ComfyUI's "
-                               "block, said in the log."),
+                               "there; positive and negative prompts of different lengths are padded into one "
+                               "batch-2 call per step). 2511's zero-timestep conditioning runs ComfyUI's block, "
+                               "said in the log."),
             ],
             outputs=[
                 PIPE.Output(
@@ -252,8 +253,8 @@ def model_fp8(model, config, note: str, attention: str, where_unsupported: str,
         block_attention = FUSED_BLOCK_ATTENTION if attention == COMFY_ATTENTION else attention
         set_block_replace(clone, block_attention)
         block_line = (f"block: pack fused (qwen_edit.fast fast_block through ComfyUI's double_block replacement, "
-                      f"attention {block_attention}; 2511's zero-timestep conditioning and text masks run ComfyUI's "
-                      "block, said in the log)")
+                      f"attention {block_attention}; prompts of different lengths padded to one batch per step; "
+                      "2511's zero-timestep conditioning runs ComfyUI's block, said in the log)")
     else:
         remove_block_replace(clone)
         block_line = "block: comfyui (ComfyUI's own block forward)"

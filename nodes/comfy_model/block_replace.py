@@ -4,8 +4,9 @@ block-replacement hook.
 :func:`set_block_replace` puts one :class:`ReplacedBlock` per transformer block into the MODEL clone's
 ``transformer_options["patches_replace"]["dit"][("double_block", i)]`` (``ModelPatcher.set_model_patch_replace``,
 what ComfyUI's own nodes do) and a ``DIFFUSION_MODEL`` wrapper (:class:`CallFacts`) that tells the replacement,
-per model call, which DiT runs and whether a text attention mask came with the call. Nothing in ComfyUI is
-patched process-wide; :func:`remove_block_replace` takes both off a clone again.
+per model call, which DiT runs and the text attention mask that came with the call, and :mod:`.text_padding`'s
+``CALC_COND_BATCH`` wrapper. Nothing in ComfyUI is patched process-wide; :func:`remove_block_replace` takes them
+off a clone again.
 
 ComfyUI's forward (0.3.75 and 0.33) calls the replacement with ``{"img", "txt", "vec", "pe",
 "transformer_options"}`` and ``{"original_block"}`` and takes ``{"img", "txt"}`` back:
@@ -22,20 +23,28 @@ ComfyUI's forward (0.3.75 and 0.33) calls the replacement with ``{"img", "txt", 
   the token order when every token keeps its own RoPE row). They are made once per ``pe`` tensor (one per model
   call), and the batch's rows are checked equal then (one host sync per call).
 
+A text attention mask (the call's ``attention_mask``, (B, L): prompts of different lengths in one batch, right
+padded) runs ``fast_block`` with each sample's text length (``txt_lens``): padded keys are hidden from attention
+and padded rows never reach the image stream. :mod:`.text_padding` pads KSampler's positive and negative texts to
+one length that way, so a step is one batch-2 call instead of two batch-1 calls.
+
 ComfyUI's own block runs instead (``original_block``), with one log line per reason, where ``fast_block`` would
 compute something else:
 
 * 2511's zero-timestep conditioning (0.33, ``index_timestep_zero``): ``vec`` then holds 2B rows and the block
   takes ``timestep_zero_index``, which the hook's arguments do not carry;
-* a text attention mask (prompts of different lengths in one batch; 0.33 applies it, 0.3.75 does not);
+* a text mask that is not right padding (any other pattern, or additive values other than 0 and large negatives);
 * RoPE positions that differ between the batch's samples; no :class:`CallFacts` for the call (the wrapper was
   taken off by someone else).
+
+On a call whose texts :mod:`.text_padding` padded, ComfyUI's block is never the answer (0.3.75's block ignores text
+masks): such a fallback raises instead.
 
 Kernels: on CUDA, :meth:`...qwen_edit.fast.prepared.PreparedDit.kernels` (``select_kernels``) picks them per
 shape, as the pack's fast forward does, with :func:`fused_block_options` (the shipped options without the
 forward-level ones: modulation runs per block, and the last block returns every token because ComfyUI's forward
-reads them). ComfyUI's MLP activation is ``GELU(tanh)``, which the fused GELU kernels do not compute, so its MLPs
-run their plain path (``qwen_edit.fast.mlp.sigmoid_gelu``). On any other device the block runs without fused
+reads them). ComfyUI's MLP activation is ``GELU(tanh)``; the fused GELU kernels compute it in that form
+(``qwen_edit.fast.mlp.kernel_gelu``). On any other device the block runs without fused
 kernels (``BlockKernels()``). fp8 layers are those of :mod:`.fp8_model` (separate Q/K/V projections: ComfyUI's forward
 never used fused ones).
 
@@ -49,10 +58,12 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+
+from .text_padding import remove_text_padding, set_text_padding
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +81,43 @@ def fused_block_options():
     return replace(SHIPPED, trim_last_block=False, shared_modulation=False)
 
 
+MASKED_ADDITIVE = -1e4
+"""An additive (float) text mask hides a token with a value at or below this (exp of it is 0 in float32)."""
+
+
+def right_padding_lengths(mask: torch.Tensor, length: int) -> tuple[int, ...] | None:
+    """Each sample's valid text tokens for a right-padding mask, or None for any other mask.
+
+    mask: (B, L) with L == ``length``: integer or bool 1/0 (1: a token), or float additive (0: a token, at most
+    :data:`MASKED_ADDITIVE`: hidden), as ComfyUI's Qwen-Image forward reads it. One host sync.
+    """
+    if mask.ndim != 2 or mask.shape[1] != length:
+        return None
+    if mask.is_floating_point():
+        valid, hidden = mask == 0, mask <= MASKED_ADDITIVE
+    else:
+        valid, hidden = mask == 1, mask == 0
+    lengths = valid.sum(dim=1)
+    positions = torch.arange(length, device=mask.device)
+    prefix = positions[None, :] < lengths[:, None]
+    if not bool((valid | hidden).all()) or not torch.equal(valid, prefix):
+        return None
+    return tuple(int(n) for n in lengths.tolist())
+
+
 @dataclass
 class CallFacts:
-    """What the hook's arguments do not say, for one model call: the DiT that runs and whether a text mask came."""
+    """What the hook's arguments do not say, for one model call: the DiT that runs and the text mask that came."""
 
     diffusion_model: torch.nn.Module
-    text_mask: bool
+    text_mask: torch.Tensor | None
+    _lengths: dict = field(default_factory=dict)
+
+    def text_lengths(self, length: int) -> tuple[int, ...] | None:
+        """:func:`right_padding_lengths` of the call's mask (made once per call)."""
+        if length not in self._lengths:
+            self._lengths[length] = right_padding_lengths(self.text_mask, length)
+        return self._lengths[length]
 
 
 class RecordCallFacts:
@@ -87,7 +129,7 @@ class RecordCallFacts:
         bound = inspect.signature(executor.original).bind_partial(*args, **kwargs).arguments
         options = bound.get("transformer_options")
         if isinstance(options, dict):
-            options[FACTS_KEY] = CallFacts(executor.class_obj, bound.get("attention_mask") is not None)
+            options[FACTS_KEY] = CallFacts(executor.class_obj, bound.get("attention_mask"))
         return executor(*args, **kwargs)
 
 
@@ -103,6 +145,12 @@ class FastBlocks:
         """The ``BlockKernels`` of the latest fused block (tests and the GPU bench read it)."""
 
     def fallback(self, reason: str, args: dict, original_block) -> dict:
+        from .text_padding import PADDED_KEY
+
+        if args["transformer_options"].get(PADDED_KEY):
+            raise RuntimeError(f"fused block: ComfyUI's own block would run ({reason}) on texts that the pack padded "
+                               "to one length, and ComfyUI's block does not hide padding on every version; remove "
+                               "what causes it, or set Apply TE-FP8's model_block to comfyui")
         if reason not in self._said:
             self._said.add(reason)
             logger.warning("fused block: ComfyUI's own block runs (%s)", reason)
@@ -160,7 +208,7 @@ class ReplacedBlock:
         return f"ReplacedBlock({self.index}, backend={self.shared.backend!r})"
 
     def __call__(self, args: dict, extra: dict) -> dict:
-        from ...qwen_edit.fast.block import head_shape
+        from ...qwen_edit.fast.block import head_shape, length_carriers
 
         shared, original = self.shared, extra["original_block"]
         img, txt, vec, pe, options = args["img"], args["txt"], args["vec"], args["pe"], args["transformer_options"]
@@ -172,8 +220,12 @@ class ReplacedBlock:
             return shared.fallback(
                 f"the timestep embedding has {vec.shape[0]} rows for {img.shape[0]} samples: 2511's zero-timestep "
                 "conditioning, whose reference-token index the hook does not pass", args, original)
-        if facts.text_mask:
-            return shared.fallback("a text attention mask (prompts of different lengths in one batch)", args, original)
+        lengths = None
+        if facts.text_mask is not None:
+            lengths = facts.text_lengths(txt.shape[1])
+            if lengths is None:
+                return shared.fallback(f"a text attention mask of shape {tuple(facts.text_mask.shape)} that is not "
+                                       "right padding", args, original)
         block = facts.diffusion_model.transformer_blocks[self.index]
         block = getattr(block, "_orig_mod", block)  # Compile Model's wrapper swaps in compiled modules
         head_dim = head_shape(block.attn)[1]
@@ -185,7 +237,10 @@ class ReplacedBlock:
         kernels = shared.kernels(facts.diffusion_model, img, txt, vec, options)
         shared.last_kernels = kernels
         temb = F.silu(vec)
-        image, text = shared.block_function(options)(block, img, txt, temb, temb, *tables, None, None, None,
+        carriers = None
+        if lengths is not None and any(n != txt.shape[1] for n in lengths):
+            carriers = length_carriers(lengths, img.device)
+        image, text = shared.block_function(options)(block, img, txt, temb, temb, *tables, None, carriers, None,
                                                      shared.backend, kernels)
         return {"img": image, "txt": text}
 
@@ -201,13 +256,20 @@ def set_block_replace(model, backend: str) -> FastBlocks:
     for index in range(blocks):
         model.set_model_patch_replace(ReplacedBlock(shared, index), PATCH_NAME, BLOCK_NAME, index)
     model.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, FACTS_KEY, RecordCallFacts())
+    set_text_padding(model)
     return shared
+
+
+def replaced_blocks_of_options(transformer_options: dict) -> list[int]:
+    """Indices of the blocks that ``transformer_options`` (a MODEL's, or a model call's) run through a
+    :class:`ReplacedBlock`."""
+    dit = transformer_options.get("patches_replace", {}).get(PATCH_NAME, {})
+    return sorted(key[1] for key, patch in dit.items() if isinstance(patch, ReplacedBlock))
 
 
 def replaced_blocks(model) -> list[int]:
     """Indices of the blocks ``model`` runs through a :class:`ReplacedBlock`."""
-    dit = model.model_options.get("transformer_options", {}).get("patches_replace", {}).get(PATCH_NAME, {})
-    return sorted(key[1] for key, patch in dit.items() if isinstance(patch, ReplacedBlock))
+    return replaced_blocks_of_options(model.model_options.get("transformer_options", {}))
 
 
 def remove_block_replace(model) -> None:
@@ -220,3 +282,4 @@ def remove_block_replace(model) -> None:
         kept = {key: patch for key, patch in dit.items() if not isinstance(patch, ReplacedBlock)}
         options["patches_replace"] = {**options["patches_replace"], PATCH_NAME: kept}
     model.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, FACTS_KEY)
+    remove_text_padding(model)

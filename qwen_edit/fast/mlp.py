@@ -15,8 +15,9 @@ GEMM does the up-projection, bias, GELU and the e4m3 cast (:func:`...fp8.gelu_ge
 scale from a bound instead of the row's amax; the bf16 hidden state is never written.
 
 ComfyUI's ``FeedForward`` has the same layers, but its ``net[0]`` is ``GELU(approximate="tanh")`` (the released
-model's activation). The fused kernels compute ``y * sigmoid(1.702 y)`` only, so such an MLP runs the plain path
-with its own activation (:func:`sigmoid_gelu`, :func:`activation`).
+model's activation). The fused kernels compute both forms (:data:`...fp8.gelu_quant.GELUS`); :func:`kernel_gelu`
+names the MLP's, and an MLP with any other activation (the exact erf GELU) runs the plain path with it
+(:func:`activation`).
 """
 
 from __future__ import annotations
@@ -25,32 +26,36 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from ...fp8.gelu_gemm import gelu_gemm_rowwise
-from ...fp8.gelu_quant import gelu_quantize_rowwise
+from ...fp8.gelu_quant import SIGMOID, TANH, gelu_quantize_rowwise
 from .block_kernels import BlockKernels
 from .prequant import Prequantized, linear, takes_prequantized, unbiased_output
 from .residual_gemm import gated_residual_gemm
 
-__all__ = ["activation", "gelu_gemm_layer", "mlp_forward", "mlp_residual", "mlp_takes_prequantized", "sigmoid_gelu",
+__all__ = ["activation", "gelu_gemm_layer", "kernel_gelu", "mlp_forward", "mlp_residual", "mlp_takes_prequantized",
            "uses_fused_gelu_quant", "uses_gelu_gemm"]
 
 
-def sigmoid_gelu(mlp: torch.nn.Module) -> bool:
-    """True when the MLP's activation is DiffSynth's ``y * sigmoid(1.702 y)`` (the fused kernels' math); False for
-    an up-projection module naming another (ComfyUI's ``GELU`` and its ``approximate``)."""
-    return getattr(mlp.net[0], "approximate", None) is None
+def kernel_gelu(mlp: torch.nn.Module) -> str | None:
+    """The fused kernels' name of the MLP's activation: ``"sigmoid"`` for DiffSynth's ``y * sigmoid(1.702 y)`` (an
+    up-projection module naming no ``approximate``), ``"tanh"`` for ``GELU(approximate="tanh")`` (ComfyUI's), None
+    for any other (the kernels do not compute it)."""
+    approximate = getattr(mlp.net[0], "approximate", None)
+    if approximate is None:
+        return SIGMOID
+    return TANH if approximate == "tanh" else None
 
 
 def activation(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     """The MLP's activation of the up-projection output ``h`` (any shape, its dtype)."""
-    if sigmoid_gelu(mlp):
+    if kernel_gelu(mlp) == SIGMOID:
         return h * torch.sigmoid(1.702 * h)
     return F.gelu(h, approximate=mlp.net[0].approximate)
 
 
 def uses_fused_gelu_quant(mlp: torch.nn.Module, kernels: BlockKernels) -> bool:
-    """True when :func:`mlp_forward` takes the fused kernel for this MLP: the plan allows it, the activation is the
-    kernel's (:func:`sigmoid_gelu`) and ``net[2]`` is a row-wise fp8 GEMM layer."""
-    return kernels.gelu_quant and sigmoid_gelu(mlp) and takes_prequantized(mlp.net[2])
+    """True when :func:`mlp_forward` takes the fused kernel for this MLP: the plan allows it, the kernels compute
+    the activation (:func:`kernel_gelu`) and ``net[2]`` is a row-wise fp8 GEMM layer."""
+    return kernels.gelu_quant and kernel_gelu(mlp) is not None and takes_prequantized(mlp.net[2])
 
 
 def mlp_takes_prequantized(mlp: torch.nn.Module, kernels: BlockKernels) -> bool:
@@ -76,7 +81,8 @@ def _quantized_hidden(mlp: torch.nn.Module, x: torch.Tensor | Prequantized, kern
     """The fused path up to the down-projection: (hidden x8 (B * S, 4D) e4m3, scale (B * S, 1) float32, B, S)."""
     up = mlp.net[0].proj
     if isinstance(x, Prequantized) and x.norms is not None:  # one GEMM: up-projection, bias, GELU, e4m3 cast
-        h8, h_scale = gelu_gemm_rowwise(x.x8, x.scale, x.norms, up.weight, up.weight_scale, up.bias, up.column_bound)
+        h8, h_scale = gelu_gemm_rowwise(x.x8, x.scale, x.norms, up.weight, up.weight_scale, up.bias, up.column_bound,
+                                        kernel_gelu(mlp))
         return h8, h_scale, x.batch, x.tokens
     if isinstance(x, Prequantized):
         hidden = up.gemm(x.x8, x.scale, torch.bfloat16, small_m=kernels.small_m_gemm)
@@ -84,7 +90,7 @@ def _quantized_hidden(mlp: torch.nn.Module, x: torch.Tensor | Prequantized, kern
     else:
         batch, tokens = x.shape[0], x.shape[1]
         hidden, up_bias = unbiased_output(up, x.reshape(-1, x.shape[-1]), kernels)  # the bias goes into the kernel
-    x8, scale = gelu_quantize_rowwise(hidden, up_bias)
+    x8, scale = gelu_quantize_rowwise(hidden, up_bias, gelu=kernel_gelu(mlp))
     return x8, scale, batch, tokens
 
 

@@ -147,3 +147,95 @@ def test_fp8_model_error_and_speed_against_comfyui_core():
     assert fused_blocks.last_kernels is not None, "the fused block never ran"
     assert rel(fast_out) < 5e-2
     assert rel(fused_out) < 5e-2
+
+
+def _step(comfy, patcher, conds, x, t, repeats=5):
+    """Median ms of one sampler step's model work, ``comfy.samplers.calc_cond_batch`` on ``conds`` (KSampler's
+    [positive, negative] lists of processed conditions) with the MODEL's options, wrappers and callbacks; returns
+    (the [positive, negative] outputs, ms, the batch sizes of the model calls of one step)."""
+    import comfy.patcher_extension
+    import comfy.samplers
+
+    comfy.model_management.load_models_gpu([patcher])
+    model_options = comfy.model_patcher.create_model_options_clone(patcher.model_options)
+    options = model_options.setdefault("transformer_options", {})
+    comfy.patcher_extension.merge_nested_dicts(options.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
+    comfy.patcher_extension.merge_nested_dicts(options.setdefault("callbacks", {}), patcher.callbacks,
+                                               copy_dict1=False)
+    patcher.pre_run()
+    batches = []
+    model = patcher.model
+
+    def counting(executor, *args, **kwargs):
+        batches.append(args[0].shape[0])
+        return executor(*args, **kwargs)
+
+    kind = comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL
+    options["wrappers"][kind] = {**options["wrappers"].get(kind, {}), "test.batches": [counting]}  # the MODEL's stay
+    with torch.inference_mode():
+        out = [o.float() for o in comfy.samplers.calc_cond_batch(model, conds, x, t, model_options)]
+        torch.cuda.synchronize()
+        per_step = list(batches)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            comfy.samplers.calc_cond_batch(model, conds, x, t, model_options)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    comfy.model_management.unload_all_models()
+    return out, sorted(times)[len(times) // 2] * 1e3, per_step
+
+
+def test_prompts_of_different_lengths_one_padded_call_against_two():
+    """KSampler's step with a 208-token positive and a 221-token negative prompt (the edit workflow's lengths), one
+    reference: ComfyUI makes two batch-1 model calls; the fused block's MODEL pads the texts into one batch-2 call.
+    Prints ms per step for ComfyUI bf16 eager and compiled and the pack's FP8 MODEL (fused block, compiled) with and
+    without the padding, and each one's relative error against ComfyUI bf16 eager."""
+    import_comfy()
+    import comfy.conds
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.supported_models
+    from qwen_edit_hopper.fp8 import Fp8Config
+    from qwen_edit_hopper.nodes.comfy_model.block_replace import set_block_replace
+    from qwen_edit_hopper.nodes.comfy_model.compile import set_compile
+    from qwen_edit_hopper.nodes.comfy_model.fp8_model import fp8_model
+    from qwen_edit_hopper.nodes.comfy_model.text_padding import remove_text_padding
+    from workflows import FASTEST_LAYERS
+
+    base = _model(comfy)
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(1, 16, 1, 128, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
+    t = torch.tensor([0.5], device="cuda")
+    reference = torch.randn(1, 16, 1, 128, 128, device="cuda", generator=generator, dtype=torch.bfloat16)
+
+    def cond(tokens):
+        text = torch.randn(1, tokens, 3584, device="cuda", generator=generator, dtype=torch.bfloat16)
+        return [{"model_conds": {"c_crossattn": comfy.conds.CONDRegular(text),
+                                 "ref_latents": comfy.conds.CONDList([reference])}, "uuid": object()}]
+
+    conds = [cond(208), cond(221)]
+    expected, eager_ms, eager_calls = _step(comfy, base, conds, x, t, repeats=3)
+    core = base.clone()
+    set_compile(core, "default", True)
+    core_out, core_ms, core_calls = _step(comfy, core, conds, x, t)
+    config = Fp8Config(backend="scaled_mm_rowwise", preset=FASTEST_LAYERS, fast_accum=True, gemm_kernel="cublaslt")
+    fast, _ = fp8_model(base, config)
+    set_compile(fast, "default", True)
+    set_block_replace(fast, "cudnn_fp8")
+    padded_out, padded_ms, padded_calls = _step(comfy, fast, conds, x, t)
+    unpadded = fast.clone()
+    remove_text_padding(unpadded)
+    unpadded_out, unpadded_ms, unpadded_calls = _step(comfy, unpadded, conds, x, t)
+
+    def rel(outs):
+        return max(float((o - e).norm() / e.norm()) for o, e in zip(outs, expected, strict=True))
+
+    print(f"\n{LAYERS} blocks, one step, texts 208 + 221 tokens, 1024x1024 edit: ComfyUI bf16 eager {eager_ms:.1f} ms "
+          f"(calls {eager_calls}); ComfyUI bf16 compiled {core_ms:.1f} ms (calls {core_calls}, rel. err "
+          f"{rel(core_out):.2e}); pack FP8 MODEL, fused block, texts as ComfyUI batches them {unpadded_ms:.1f} ms "
+          f"(calls {unpadded_calls}, rel. err {rel(unpadded_out):.2e}); the same, texts padded {padded_ms:.1f} ms "
+          f"(calls {padded_calls}, rel. err {rel(padded_out):.2e}); padded / compiled core "
+          f"{padded_ms / core_ms:.2f} (target <= 0.55), padded / unpadded {padded_ms / unpadded_ms:.2f}")
+    assert eager_calls == [1, 1] and unpadded_calls == [1, 1] and padded_calls == [2]
+    assert rel(padded_out) < 5e-2 and rel(unpadded_out) < 5e-2

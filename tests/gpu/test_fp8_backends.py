@@ -273,15 +273,16 @@ def test_rowwise_scales_on_gpu_match_cpu_math():
 
 @pytest.mark.parametrize("shape", [(8192, 12288), (300, 12288), (5, 200)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_fused_gelu_quantize_kernel_matches_its_reference(shape, with_bias):
+@pytest.mark.parametrize("gelu", ["sigmoid", "tanh"])
+def test_fused_gelu_quantize_kernel_matches_its_reference(shape, with_bias, gelu):
     from qwen_edit_hopper.fp8.gelu_quant import gelu_quantize_rowwise, reference_gelu_quantize
 
     rows, cols = shape
     y = (torch.randn(rows, cols, device=DEV) * torch.logspace(-2, 2, rows, device=DEV)[:, None]).bfloat16()
     y[0] = 0  # an all-zero row: tiny scale, exact zeros, no NaN
     bias = torch.randn(cols, device=DEV, dtype=torch.bfloat16) if with_bias else None
-    h8, hs = gelu_quantize_rowwise(y, bias)
-    r8, rs = reference_gelu_quantize(y, bias)
+    h8, hs = gelu_quantize_rowwise(y, bias, gelu=gelu)
+    r8, rs = reference_gelu_quantize(y, bias, gelu)
     assert h8.dtype == FP8_DTYPE and h8.shape == shape and hs.shape == (rows, 1)
     assert torch.isfinite(h8.float()).all()
     torch.testing.assert_close(hs, rs, rtol=1e-2, atol=0)  # GELU rounded once (kernel) vs per op (eager)

@@ -13,7 +13,7 @@ import logging
 import pytest
 import test_comfy_model_fp8 as fp8_tests
 import torch
-from test_comfy_model_fp8 import LAYERS, TEXT, _config, _lora, _patcher, _rel
+from test_comfy_model_fp8 import DIM, LAYERS, TEXT, _config, _lora, _patcher, _rel
 
 comfy = fp8_tests.comfy
 """The tiny model's ComfyUI (a module-scoped fixture of test_comfy_model_fp8.py)."""
@@ -25,16 +25,19 @@ FP32_TOLERANCE = 1e-5
 order (RoPE as cos/sin tables, RMSNorm weight after the norm, [image, text] token order)."""
 
 
-def _sample(comfy, patcher, reference=True, steps=2, seed=1, extra=None):
-    """KSampler's call, batch 2 (CFG), with or without a reference latent; ``extra`` adds conditioning keys."""
+def _sample(comfy, patcher, reference=True, steps=2, seed=1, extra=None, negative_tokens=7):
+    """KSampler's call, batch 2 (CFG), with or without a reference latent; ``extra`` adds conditioning keys. The
+    positive prompt has 7 tokens, the negative ``negative_tokens`` (another count: ComfyUI makes two batch-1 calls
+    per step)."""
     latent = torch.zeros(1, 16, 1, 8, 8)
     context = torch.randn(1, 7, TEXT, generator=torch.Generator().manual_seed(6))
+    other = torch.randn(1, negative_tokens, TEXT, generator=torch.Generator().manual_seed(7))
     noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
     keys = dict(extra or {})
     if reference:
         keys["reference_latents"] = [torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(5))]
     positive = [[context, dict(keys)]]
-    negative = [[context * 0.5, dict(keys)]]
+    negative = [[context * 0.5 if negative_tokens == 7 else other, dict(keys)]]
     out = comfy.sample.sample(patcher, noise, steps, 4.0, "euler", "simple", positive, negative, latent,
                               disable_pbar=True, seed=seed)
     comfy.model_management.unload_all_models()
@@ -102,7 +105,7 @@ def test_one_block_matches_comfyui_block_directly(comfy):
                                        encoder_hidden_states_mask=None, temb=args["vec"], image_rotary_emb=args["pe"])
         return out
 
-    options = {FACTS_KEY: CallFacts(dit, False)}
+    options = {FACTS_KEY: CallFacts(dit, None)}
     args = {"img": img, "txt": txt, "vec": vec, "pe": pe, "transformer_options": options}
     with torch.no_grad():
         got = ReplacedBlock(FastBlocks("sdpa_math"), 1)(args, {"original_block": original})
@@ -149,9 +152,11 @@ def test_zero_timestep_conditioning_runs_comfyui_block_and_says_so(comfy, caplog
     assert torch.equal(out, expected)
     said = [r.getMessage() for r in caplog.records if "zero-timestep" in r.getMessage()]
     assert len(said) == 1, said  # once, not per block or step
+    uneven = _sample(comfy, fused, extra=extra, negative_tokens=4)  # not padded: ComfyUI's block runs each prompt
+    assert not runs and torch.equal(uneven, _sample(comfy, base, extra=extra, negative_tokens=4))
 
 
-def test_text_mask_runs_comfyui_block_where_comfyui_applies_it(comfy, caplog):
+def test_a_right_padding_text_mask_runs_the_fused_block(comfy, caplog):
     base = _patcher(comfy)
     mask = torch.ones(1, 7, dtype=torch.long)
     mask[:, 5:] = 0
@@ -160,11 +165,93 @@ def test_text_mask_runs_comfyui_block_where_comfyui_applies_it(comfy, caplog):
     fused, _, runs = _replaced(base)
     with caplog.at_level(logging.WARNING):
         out = _sample(comfy, fused, extra=extra)
-    masked = [r.getMessage() for r in caplog.records if "text attention mask" in r.getMessage()]
-    if _has_timestep_zero(comfy):  # 0.33 hands the mask to the model: ComfyUI's block runs
-        assert not runs and len(masked) == 1 and torch.equal(out, expected)
-    else:  # 0.3.75 never gives Qwen-Image the mask: the fused block runs, as ComfyUI's block ignores nothing
-        assert runs and not masked and _rel(out, expected) < FP32_TOLERANCE
+    assert runs and not [r for r in caplog.records if "own block runs" in r.getMessage()]
+    assert _rel(out, expected) < FP32_TOLERANCE
+    if _has_timestep_zero(comfy):  # 0.33 hands the mask to the model and applies it: it changes the image
+        assert _rel(expected, _sample(comfy, base)) > 1e-3
+
+
+def test_a_text_mask_that_is_not_right_padding_runs_comfyui_block_and_says_so(comfy, caplog):
+    if not _has_timestep_zero(comfy):
+        pytest.skip("0.3.75 never hands Qwen-Image a mask from the conditioning")
+    base = _patcher(comfy)
+    mask = torch.ones(1, 7, dtype=torch.long)
+    mask[:, 1] = 0
+    extra = {"attention_mask": mask}
+    expected = _sample(comfy, base, extra=extra)
+    fused, _, runs = _replaced(base)
+    with caplog.at_level(logging.WARNING):
+        out = _sample(comfy, fused, extra=extra)
+    said = [r.getMessage() for r in caplog.records if "not right padding" in r.getMessage()]
+    assert not runs and len(said) == 1 and torch.equal(out, expected), said
+
+
+@pytest.mark.parametrize("reference", [True, False], ids=["reference", "no_reference"])
+def test_prompts_of_different_lengths_run_one_batch_per_step(comfy, reference):
+    """Positive 7 tokens, negative 4: ComfyUI's own block runs two batch-1 calls per step; the fused block's MODEL
+    pads the negative and runs one batch-2 call, with the same image."""
+    base = _patcher(comfy)
+    expected = _sample(comfy, base, reference, negative_tokens=4)
+    assert _rel(expected, _sample(comfy, base, reference)) > 1e-3  # the negative prompt matters
+    fused, _, runs = _replaced(base)
+    out = _sample(comfy, fused, reference, negative_tokens=4)
+    assert len(runs) == 2 * LAYERS and all(s[0] == 2 for s in runs), runs  # 2 steps, one batch-2 call each
+    error = _rel(out, expected)
+    print(f"padded batch vs two ComfyUI calls, fp32, reference={reference}: relative error {error:.2e}")
+    assert error < FP32_TOLERANCE, error
+
+
+def test_texts_are_not_padded_where_a_patch_could_read_them(comfy, caplog):
+    base = _patcher(comfy)
+    expected = _sample(comfy, base, negative_tokens=4)
+    fused, _, runs = _replaced(base)
+    fused.set_model_patch(lambda args: {"img": args["img"], "txt": args["txt"]}, "double_block")
+    with caplog.at_level(logging.INFO):
+        out = _sample(comfy, fused, negative_tokens=4)
+    assert runs and all(s[0] == 1 for s in runs)  # ComfyUI's batching: two batch-1 calls per step
+    said = [r.getMessage() for r in caplog.records if "transformer patches (double_block)" in r.getMessage()]
+    assert len(said) == 1, said
+    assert _rel(out, expected) < FP32_TOLERANCE
+
+
+def test_padding_leaves_the_samplers_conditions_as_they_were(comfy):
+    from comfy.conds import CONDRegular
+    from qwen_edit_hopper.nodes.comfy_model.text_padding import pad_conds, text_length
+
+    short, long = torch.randn(1, 4, TEXT), torch.randn(1, 7, TEXT)
+    conds = [[{"model_conds": {"c_crossattn": CONDRegular(long)}}],
+             [{"model_conds": {"c_crossattn": CONDRegular(short)}}], None]
+    padded = pad_conds(conds, 7)
+    assert [text_length(c[0]) for c in conds[:2]] == [7, 4] and conds[2] is None  # the originals
+    assert [text_length(c[0]) for c in padded[:2]] == [7, 7] and padded[2] is None
+    text, mask = padded[1][0]["model_conds"]["c_crossattn"].cond, padded[1][0]["model_conds"]["attention_mask"].cond
+    assert torch.equal(text[:, :4], short) and not text[:, 4:].any()
+    assert mask.tolist() == [[1, 1, 1, 1, 0, 0, 0]] and padded[0][0]["model_conds"]["attention_mask"].cond.all()
+
+
+def test_right_padding_lengths():
+    from qwen_edit_hopper.nodes.comfy_model.block_replace import right_padding_lengths
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert right_padding_lengths(mask, 4) == (3, 4)
+    assert right_padding_lengths(mask.bool(), 4) == (3, 4)
+    additive = torch.tensor([[0.0, 0.0, -float("inf"), -float("inf")]])
+    assert right_padding_lengths(additive, 4) == (2,)
+    assert right_padding_lengths(additive, 5) is None  # not this text's length
+    assert right_padding_lengths(torch.tensor([[1, 0, 1, 1]]), 4) is None  # a hole: not right padding
+    assert right_padding_lengths(torch.tensor([[1, 1, 2, 0]]), 4) is None  # not 1/0
+    assert right_padding_lengths(torch.tensor([[0.0, 0.5, 0.0, 0.0]]), 4) is None  # a soft additive bias
+
+
+def test_a_padded_call_never_falls_back_to_comfyui_block(comfy):
+    from qwen_edit_hopper.nodes.comfy_model.block_replace import FastBlocks, ReplacedBlock
+    from qwen_edit_hopper.nodes.comfy_model.text_padding import PADDED_KEY
+
+    tokens = torch.zeros(2, 4, DIM)
+    args = {"img": tokens, "txt": tokens, "vec": torch.zeros(2, DIM), "pe": None,
+            "transformer_options": {PADDED_KEY: True}}
+    with pytest.raises(RuntimeError, match=r"no CallFacts.*padded to one length.*model_block to comfyui"):
+        ReplacedBlock(FastBlocks("sdpa_math"), 0)(args, {"original_block": lambda a: pytest.fail("ComfyUI's block")})
 
 
 def test_compile_model_compiles_the_fused_block(comfy):
@@ -231,16 +318,23 @@ def test_apply_fp8_node_option(comfy):
 
 
 def test_comfyui_mlp_keeps_its_tanh_gelu(comfy):
-    """ComfyUI's MLP activation is GELU(tanh); the fused GELU kernels compute y * sigmoid(1.702 y), so they are not
-    taken for it, and its plain path applies its own activation."""
+    """ComfyUI's MLP activation is GELU(tanh): the fused GELU kernels take it in that form (and DiffSynth's
+    y * sigmoid(1.702 y) in its own), the plain path applies it, and an activation the kernels do not compute (the
+    exact erf GELU) keeps the plain path."""
+    from qwen_edit_hopper.fp8.gelu_quant import reference_gelu
     from qwen_edit_hopper.qwen_edit.fast.block_kernels import BlockKernels
-    from qwen_edit_hopper.qwen_edit.fast.mlp import activation, sigmoid_gelu, uses_fused_gelu_quant
+    from qwen_edit_hopper.qwen_edit.fast.mlp import activation, kernel_gelu, uses_fused_gelu_quant
 
     mlp = _patcher(comfy).model.diffusion_model.transformer_blocks[0].img_mlp
-    assert mlp.net[0].approximate == "tanh" and not sigmoid_gelu(mlp)
-    assert not uses_fused_gelu_quant(mlp, BlockKernels(gelu_quant=True))
+    assert mlp.net[0].approximate == "tanh" and kernel_gelu(mlp) == "tanh"
     h = torch.linspace(-4, 4, 101)
     assert torch.equal(activation(mlp, h), torch.nn.functional.gelu(h, approximate="tanh"))
+    assert torch.equal(reference_gelu(h, "tanh"), torch.nn.functional.gelu(h, approximate="tanh"))
     diffsynth_like = torch.nn.Module()
     diffsynth_like.net = [torch.nn.Module()]
-    assert sigmoid_gelu(diffsynth_like) and torch.equal(activation(diffsynth_like, h), h * torch.sigmoid(1.702 * h))
+    assert kernel_gelu(diffsynth_like) == "sigmoid"
+    assert torch.equal(activation(diffsynth_like, h), h * torch.sigmoid(1.702 * h))
+    exact = torch.nn.Module()
+    exact.net = [torch.nn.GELU()]
+    assert kernel_gelu(exact) is None and torch.equal(activation(exact, h), torch.nn.functional.gelu(h))
+    assert not uses_fused_gelu_quant(mlp, BlockKernels(gelu_quant=True))  # CPU layers: no row-wise fp8 GEMM

@@ -68,18 +68,20 @@ from qwen_edit_hopper.fp8.quant import dequantize, relative_error
 def truncate_bf16(x):  # the interpreter's fp32 -> bf16 cast
     return (x.float().view(torch.int32) & -65536).view(torch.float32)
 
-def truncating_reference(y, bias):  # reference_gelu_quantize with the interpreter's bf16 casts
+def truncating_reference(y, bias, gelu):  # reference_gelu_quantize with the interpreter's bf16 casts
     yf = truncate_bf16(y.float() + bias.float()) if bias is not None else y.float()
-    return gq.quantize_rowwise(truncate_bf16(yf * torch.sigmoid(1.702 * yf)))
+    return gq.quantize_rowwise(truncate_bf16(gq.reference_gelu(yf, gelu)))
 g = torch.Generator().manual_seed(0)
 rows = []
-for m, n, with_bias in ((3, 200, True), (4, 1024, False), (2, 3000, True), (2, 384, True), (3, 96, False)):
+cases = ((3, 200, True, "sigmoid"), (4, 1024, False, "sigmoid"), (2, 3000, True, "sigmoid"), (2, 384, True, "sigmoid"),
+         (3, 96, False, "sigmoid"), (3, 200, True, "tanh"), (2, 384, True, "tanh"))
+for m, n, with_bias, gelu in cases:
     y = (torch.randn(m, n, generator=g) * 3).bfloat16()
     y[0] *= 50  # rows of very different ranges: each gets its own scale
     bias = (torch.randn(n, generator=g)).bfloat16() if with_bias else None
-    h8, hs = gq._gelu_quantize_op(y, bias)
-    r8, rs = truncating_reference(y, bias)
-    rows.append(dict(shape=[m, n], chunks=gq.row_chunks(n)[0], finite=bool(torch.isfinite(h8.float()).all()),
+    h8, hs = gq._gelu_quantize_op(y, bias, gq.DEFAULT_WARPS, gelu == "tanh")
+    r8, rs = truncating_reference(y, bias, gelu)
+    rows.append(dict(shape=[m, n], gelu=gelu, chunks=gq.row_chunks(n)[0], finite=bool(torch.isfinite(h8.float()).all()),
                      scale_err=relative_error(hs, rs), err=relative_error(dequantize(h8, hs), dequantize(r8, rs)),
                      same_codes=float((h8.float() == r8.float()).float().mean())))  # +0 == -0
 print(json.dumps(rows))
@@ -90,8 +92,9 @@ print(json.dumps(rows))
 @pytest.mark.slow
 def test_kernel_matches_the_reference_under_the_interpreter():
     rows = run_probe(_INTERPRETER_PROBE, ('qwen_edit_hopper.fp8.gelu_quant',))
-    assert len(rows) == 5
-    assert [row["chunks"] for row in rows] == [1, 1, 1, 3, 3]  # masked one-block rows and 3 * 2^k chunked rows
+    assert len(rows) == 7
+    assert [row["chunks"] for row in rows] == [1, 1, 1, 3, 3, 1, 3]  # masked one-block rows, 3 * 2^k chunked rows
+    assert [row["gelu"] for row in rows].count("tanh") == 2  # ComfyUI's form, masked and chunked
     for row in rows:
         assert row["finite"], row
         # against a reference with the interpreter's truncating bf16 casts: the same scales and codes, except
