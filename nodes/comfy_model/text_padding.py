@@ -80,6 +80,7 @@ class PadTexts:
 
     def __init__(self):
         self._said: set[str] = set()
+        self._padded = False
 
     def _skip(self, reason: str) -> None:
         if reason not in self._said:
@@ -112,6 +113,10 @@ class PadTexts:
         if len(lengths) > 1:
             reason = self.why_not(model, conds, model_options)
             if reason is None:
+                if not self._padded:
+                    self._padded = True
+                    logger.info("text padding: texts of %s tokens padded to %d, one model call for the step's "
+                                "prompts (said once)", " and ".join(map(str, sorted(lengths))), max(lengths))
                 conds = pad_conds(conds, max(lengths))
                 options = {**model_options.get("transformer_options", {}), PADDED_KEY: True}
                 model_options = {**model_options, "transformer_options": options}
