@@ -1145,10 +1145,17 @@ def _model_path_rows(ok: list[tuple[dict, dict]], of: Callable[..., list[dict[st
             and not j.get("first_on_server") and (j.get("log") or {}).get("s_per_step")]
     fastest = [j["stages"]["s_per_step"] for j in of("fastest", warm=True) if "s_per_step" in j["stages"]]
     rows = [("ComfyUI core nodes + FP8 (KSampler on the pack's MODEL), warm s/step", f"median {_num(step, 3)}", "")]
+    compiled = [j for _, j in ok if j["job"].startswith("core:compile") and not j.get("first_on_server")
+                and (j.get("log") or {}).get("s_per_step")]
     if core:
         ratio = round(step / min(core), 3)
-        rows.append(("its s/step <= 0.55x core's best warm s/step on the same files",
-                     f"{ratio}x ({_num(step, 3)} / {_num(min(core), 3)})", _check(ratio, 0.55)))
+        measured = f"{ratio}x ({_num(step, 3)} / {_num(min(core), 3)})"
+        if compiled:
+            rows.append(("its s/step <= 0.55x core's best warm s/step on the same files", measured,
+                         _check(ratio, 0.55)))
+        else:  # core's best is its compiled step: without it the target cannot be judged
+            rows.append(("its s/step against core's warm s/step without TorchCompileModel (the target, 0.55x "
+                         "core's best, needs core's compiled warm step, not measured here)", measured, ""))
     if fastest:
         pack = statistics.median(fastest)
         ratio = round(step / pack, 3)

@@ -239,15 +239,20 @@ def test_summary_and_table_of_a_run():
     # the MODEL path against ComfyUI core's best warm s/step (by its progress line) and the pack's fastest
     assert "ComfyUI core nodes + FP8" not in checks
     jobs = results["servers"][0]["jobs"]
-    jobs.append(_job(9, "core:compile", 30.0, 20480, 8.0, log={"s_per_step": 0.6}))
+    jobs.append(_job(9, "core", 35.0, 20480, 8.0, log={"s_per_step": 0.7}))
     jobs.append(_job(10, pp.MODEL_PATH, 14.0, 20480, 8.0, log={"s_per_step": 0.32}, stages={}))
     jobs.append(_job(11, pp.MODEL_PATH, 14.0, 20480, 8.0, log={"s_per_step": 0.34}, stages={}))
+    checks = pp.targets([results])
+    # without core's compiled step its best is not known: the ratio is shown against core eager, not judged
+    assert ("| its s/step against core's warm s/step without TorchCompileModel (the target, 0.55x core's best, "
+            "needs core's compiled warm step, not measured here) | 0.471x (0.330 / 0.700) |  |") in checks
+    jobs.append(_job(12, "core:compile", 30.0, 20480, 8.0, log={"s_per_step": 0.6}))
     checks = pp.targets([results])
     assert "| ComfyUI core nodes + FP8 (KSampler on the pack's MODEL), warm s/step | median 0.330 |  |" in checks
     assert "| its s/step <= 0.55x core's best warm s/step on the same files | 0.55x (0.330 / 0.600) | yes |" in checks
     assert "| its s/step within 10% of the pack's fastest workflow | 1.1x (0.330 / 0.300) | yes |" in checks
     # a fastest prompt after ComfyUI's loaders held their model on that server: its peaks are not its own
-    late = _job(12, "fastest", 13.5, 46 * 1024, 60.0)
+    late = _job(13, "fastest", 13.5, 46 * 1024, 60.0)
     late["gpu"]["peak_MiB"] = 50 * 1024
     jobs.append(late)
     checks = pp.targets([results])
