@@ -67,7 +67,7 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
     device, dtype = runtime.device, runtime.dtype
     timings = Timings(steps=request.steps)
     timings.extra["memory_need"] = check_fits(runtime, plan, request).describe()
-    loads_before = len(runtime.loads)
+    runtime.loads.clear()  # from here: this edit's builds
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -86,12 +86,12 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
 
     callbacks.check_interrupt()
     if plan.parallel is not None:
-        timings.extra["loads"] = runtime.loads[loads_before:]
+        timings.extra["loads"] = list(runtime.loads)
         latents = _denoise_parallel(runtime, plan, request, conditioning, callbacks, timings)
         return _decode(runtime, plan, request, conditioning, latents, sampler, timings)
     dit = runtime.dit(plan)
     runtime.use([dit])
-    timings.extra["loads"] = runtime.loads[loads_before:]
+    timings.extra["loads"] = list(runtime.loads)
     if "cuda_graphs" in dit.extra:
         timings.extra["cuda_graphs"] = dit.extra["cuda_graphs"]
     if needs_calibration(plan, dit):

@@ -83,7 +83,8 @@ class PlanRuntime:
         self._loras: OrderedDict[tuple, Any] = OrderedDict()
         self._lock = threading.RLock()
         self.loads: list[tuple[str, float]] = []
-        """``(kind, seconds)`` of every model built, in order (kind: ``"text encoder"``, ``"VAE"``, ``"DiT"``)."""
+        """``(kind, seconds)`` of each model built, in order (kind: ``"text encoder"``, ``"VAE"``, ``"DiT"``), since
+        the current edit began (``edit.run_edit`` clears it: at most one entry per model kind and LoRA set)."""
         self.conditioning = ConditioningCache()
         """Encoded prompts and reference latents (on the device), dropped with the encoders that made them."""
 

@@ -19,9 +19,9 @@ the image (:mod:`.block_replace`).
 
 Padding is used only where every block of the call runs the fused block: the MODEL runs a
 :class:`.block_replace.ReplacedBlock` on every transformer block, carries no other ``transformer_options["patches"]``
-(a patch may read the text stream), its conditions carry no mask of their own, and the model is not 2511's
-zero-timestep variant (whose blocks run ComfyUI's own). Otherwise the conditions pass unchanged, and the reason is
-logged once.
+(a patch may read the text stream), its conditions carry no mask of their own and no ControlNet or GLIGEN (their own
+blocks read the text), and the model is not 2511's zero-timestep variant (whose blocks run ComfyUI's own).
+Otherwise the conditions pass unchanged, and the reason is logged once.
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ class PadTexts:
             return "2511's zero-timestep conditioning runs ComfyUI's own block"
         for group in conds:
             for cond in group or ():
+                if cond.get("control") is not None or cond.get("gligen") is not None:
+                    return "a ControlNet or GLIGEN on a condition reads the text with its own blocks"
                 model_conds = cond.get("model_conds", {})
                 if "attention_mask" in model_conds:
                     return "a condition carries its own text attention mask"

@@ -131,6 +131,8 @@ def test_fp8_model_under_ksampler_is_close_to_comfyuis_own_path(core_comfy: Comf
     assert "regional (each transformer block of the MODEL compiled" in history  # Compile Model's info
     assert "block: pack fused" in history  # the shipped workflow runs the pack's fused block on ComfyUI's blocks
     assert "fused block: ComfyUI's own block runs" not in core_comfy.log_tail(10**8)  # and never fell back
+    # the positive and negative texts differ in length: padded into one batch-2 call per step
+    assert "text padding: texts of" in core_comfy.log_tail(10**8)
     # every attention call of ComfyUI's forward went to the pack's backend (a call it cannot take is logged)
     assert "ComfyUI's own attention runs this call" not in core_comfy.log_tail(10**8)
     print(f"core {core_s:.1f} s, pack {pack_s:.1f} s, relative error {error:.2e}")

@@ -214,6 +214,26 @@ def test_texts_are_not_padded_where_a_patch_could_read_them(comfy, caplog):
     assert _rel(out, expected) < FP32_TOLERANCE
 
 
+def test_texts_are_not_padded_for_a_controlnet_or_a_mask_of_their_own(comfy):
+    from comfy.conds import CONDRegular
+    from qwen_edit_hopper.nodes.comfy_model.text_padding import PadTexts
+
+    fused, _, _ = _replaced(_patcher(comfy))
+    options = fused.model_options
+
+    def conds(**extra):
+        long = {"model_conds": {"c_crossattn": CONDRegular(torch.randn(1, 7, TEXT))}, **extra}
+        return [[long], [{"model_conds": {"c_crossattn": CONDRegular(torch.randn(1, 4, TEXT))}}]]
+
+    pad = PadTexts()
+    assert pad.why_not(fused.model, conds(), options) is None
+    assert "ControlNet" in pad.why_not(fused.model, conds(control=object()), options)
+    masked = conds()
+    masked[0][0]["model_conds"]["attention_mask"] = CONDRegular(torch.ones(1, 7))
+    assert "its own text attention mask" in pad.why_not(fused.model, masked, options)
+    assert "not every transformer block" in pad.why_not(fused.model, conds(), _patcher(comfy).model_options)
+
+
 def test_padding_leaves_the_samplers_conditions_as_they_were(comfy):
     from comfy.conds import CONDRegular
     from qwen_edit_hopper.nodes.comfy_model.text_padding import pad_conds, text_length
