@@ -63,7 +63,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from .text_padding import remove_text_padding, set_text_padding
+from .text_padding import PADDED_KEY, remove_text_padding, set_text_padding
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +145,6 @@ class FastBlocks:
         """The ``BlockKernels`` of the latest fused block (tests and the GPU bench read it)."""
 
     def fallback(self, reason: str, args: dict, original_block) -> dict:
-        from .text_padding import PADDED_KEY
-
         if args["transformer_options"].get(PADDED_KEY):
             raise RuntimeError(f"fused block: ComfyUI's own block would run ({reason}) on texts that the pack padded "
                                "to one length, and ComfyUI's block does not hide padding on every version; remove "
@@ -256,7 +254,7 @@ def set_block_replace(model, backend: str) -> FastBlocks:
     for index in range(blocks):
         model.set_model_patch_replace(ReplacedBlock(shared, index), PATCH_NAME, BLOCK_NAME, index)
     model.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, FACTS_KEY, RecordCallFacts())
-    set_text_padding(model)
+    set_text_padding(model, replaced_blocks_of_options)
     return shared
 
 

@@ -27,6 +27,7 @@ Otherwise the conditions pass unchanged, and the reason is logged once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -76,9 +77,14 @@ def pad_conds(conds: list, length: int) -> list:
 
 
 class PadTexts:
-    """``CALC_COND_BATCH`` wrapper: right-pads the step's texts to one length (module docstring)."""
+    """``CALC_COND_BATCH`` wrapper: right-pads the step's texts to one length (module docstring).
 
-    def __init__(self):
+    ``fused_blocks``: the indices of the blocks that a call's ``transformer_options`` run through the fused block
+    (:func:`.block_replace.replaced_blocks_of_options`).
+    """
+
+    def __init__(self, fused_blocks: Callable[[dict], list[int]]):
+        self.fused_blocks = fused_blocks
         self._said: set[str] = set()
         self._padded = False
 
@@ -89,11 +95,9 @@ class PadTexts:
 
     def why_not(self, model, conds: list, model_options: dict) -> str | None:
         """Why this call's texts must not be padded, or None when they can be."""
-        from .block_replace import replaced_blocks_of_options
-
         options = model_options.get("transformer_options", {})
         blocks = len(model.diffusion_model.transformer_blocks)
-        if replaced_blocks_of_options(options) != list(range(blocks)):
+        if self.fused_blocks(options) != list(range(blocks)):
             return "not every transformer block runs the pack's fused block"
         if any(options.get("patches", {}).values()):
             return f"the MODEL carries transformer patches ({', '.join(sorted(options['patches']))})"
@@ -127,11 +131,11 @@ class PadTexts:
         return executor(model, conds, x_in, timestep, model_options)
 
 
-def set_text_padding(model) -> PadTexts:
+def set_text_padding(model, fused_blocks: Callable[[dict], list[int]]) -> PadTexts:
     """Add :class:`PadTexts` to ``model`` (a ComfyUI MODEL clone, changed in place)."""
     from comfy.patcher_extension import WrappersMP
 
-    wrapper = PadTexts()
+    wrapper = PadTexts(fused_blocks)
     remove_text_padding(model)
     model.add_wrapper_with_key(WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, wrapper)
     return wrapper

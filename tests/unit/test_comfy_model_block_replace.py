@@ -216,6 +216,7 @@ def test_texts_are_not_padded_where_a_patch_could_read_them(comfy, caplog):
 
 def test_texts_are_not_padded_for_a_controlnet_or_a_mask_of_their_own(comfy):
     from comfy.conds import CONDRegular
+    from qwen_edit_hopper.nodes.comfy_model.block_replace import replaced_blocks_of_options
     from qwen_edit_hopper.nodes.comfy_model.text_padding import PadTexts
 
     fused, _, _ = _replaced(_patcher(comfy))
@@ -225,7 +226,7 @@ def test_texts_are_not_padded_for_a_controlnet_or_a_mask_of_their_own(comfy):
         long = {"model_conds": {"c_crossattn": CONDRegular(torch.randn(1, 7, TEXT))}, **extra}
         return [[long], [{"model_conds": {"c_crossattn": CONDRegular(torch.randn(1, 4, TEXT))}}]]
 
-    pad = PadTexts()
+    pad = PadTexts(replaced_blocks_of_options)
     assert pad.why_not(fused.model, conds(), options) is None
     assert "ControlNet" in pad.why_not(fused.model, conds(control=object()), options)
     masked = conds()
