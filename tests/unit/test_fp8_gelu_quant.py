@@ -33,6 +33,17 @@ def test_kernel_refuses_cpu_tensors_with_the_reason():
         gelu_quantize_rowwise(torch.zeros(2, 128, dtype=torch.bfloat16))
 
 
+def test_kernels_refuse_a_gelu_form_they_do_not_compute_naming_it():
+    from qwen_edit_hopper.fp8.gelu_gemm import column_bound, gelu_gemm_rowwise
+
+    y = torch.zeros(2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"gelu 'erf' is not one of sigmoid, tanh"):
+        gelu_quantize_rowwise(y, gelu="erf")
+    x8, xs = quantize_rowwise(y)
+    with pytest.raises(ValueError, match=r"gelu_gemm_rowwise: gelu 'erf' is not one of sigmoid, tanh"):
+        gelu_gemm_rowwise(x8, xs, xs, x8, xs, None, column_bound(x8, xs, None), "erf")
+
+
 def test_reference_equals_the_unfused_modules():
     """reference_gelu_quantize(y, bias) is quantize_rowwise(ApproximateGELU output) up to GELU rounding."""
     mlp = _approximate_gelu_mlp(64)
