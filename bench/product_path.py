@@ -517,6 +517,7 @@ STAGES = {
 }
 TQDM = re.compile(r"(\d+)/(\d+) \[(\d+):(\d+)<[0-9:?]+,\s*([0-9.]+)(s/it|it/s)\]")
 EXECUTED = re.compile(r"Prompt executed in ([0-9.]+) seconds")
+SAMPLER_WALL = re.compile(r"Qwen Edit Sampler ran from ([0-9.]+) to ([0-9.]+) \(wall clock")
 
 
 def parse_stages(info: str) -> dict[str, Any]:
@@ -536,7 +537,8 @@ def parse_stages(info: str) -> dict[str, Any]:
 
 
 def parse_log(text: str) -> dict[str, Any]:
-    """A server log's new part -> the last progress bar (steps, its s/step) and ComfyUI's 'Prompt executed in'."""
+    """A server log's new part -> the last progress bar (steps, its s/step), ComfyUI's 'Prompt executed in' and when
+    the Qwen Edit Sampler ran (wall clock, the clock of ComfyUI's timestamps)."""
     out: dict[str, Any] = {}
     bars = TQDM.findall(text)
     if bars:
@@ -547,6 +549,8 @@ def parse_log(text: str) -> dict[str, Any]:
         out["progress_elapsed_s"] = int(minutes) * 60 + int(seconds)
     if m := EXECUTED.findall(text):
         out["executed_s"] = float(m[-1])
+    if m := SAMPLER_WALL.findall(text):
+        out["sampler_wall"] = [float(m[-1][0]), float(m[-1][1])]
     return out
 
 
@@ -796,6 +800,10 @@ class Run:
         with contextlib.suppress(OSError):
             log = self.new_log()
             record["log"] = parse_log(log)
+            wall = record["log"].get("sampler_wall")
+            if wall and "timestamp" in start and "timestamp" in end:
+                record["around_sampler"] = {"before_s": round(wall[0] - start["timestamp"] / 1000, 3),
+                                            "after_s": round(end["timestamp"] / 1000 - wall[1], 3)}
             if not record["ok"]:
                 record["log_tail"] = log[-4000:]
         record["survived"] = self.alive()

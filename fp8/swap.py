@@ -151,12 +151,13 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def module_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters and buffers, each storage counted once."""
+    """Bytes of a module's parameters and buffers, a tensor shared by several modules counted once (tensors that
+    are views of one buffer count their own bytes)."""
     seen: set = set()
     total = 0
     for t in [*module.parameters(), *module.buffers()]:
         plain = type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta"
-        key = (t.device, t.untyped_storage().data_ptr()) if plain else id(t)
+        key = (t.device, t.data_ptr(), t.numel(), t.dtype) if plain else id(t)
         if key in seen:
             continue
         seen.add(key)

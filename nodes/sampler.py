@@ -144,7 +144,7 @@ class QwenEditSampler(io.ComfyNode):
         from ..qwen_edit.edit import run_edit
         from ..qwen_edit.sampling import Callbacks
 
-        started = time.perf_counter()
+        started, started_wall = time.perf_counter(), time.time()
         if not isinstance(pipe, PipePlan):
             raise NodeInputError("pipe: expected the output of Load Qwen Edit")
         images = [tensor_to_pil(image, "image")]
@@ -196,4 +196,5 @@ class QwenEditSampler(io.ComfyNode):
             lines.append(timings.extra["kernels"].summary())
         info = "\n".join(lines)
         logger.info("Qwen Edit Sampler:\n%s", info)
+        logger.info("Qwen Edit Sampler ran from %.3f to %.3f (wall clock, s)", started_wall, time.time())
         return io.NodeOutput(result, info, ui=ui.PreviewText(info))

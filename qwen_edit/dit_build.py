@@ -5,7 +5,8 @@ checkpoint onto the compute device (safetensors memory-maps the file: the host h
 copy of the model), dequantized to the compute dtype, given the plan's LoRA chain (float32 sum, one
 rounding) and, for an fp8 plan, quantized into the model's fp8 layers, before the next group is read.
 So an fp8 DiT never exists in bf16 as a whole: the device holds the fp8 model built so far and one
-block in bf16 (0.7 GB at full size).
+block in bf16 (0.7 GB at full size). Each finished group is moved into one allocation of its own
+(``device_pack``), so the build's temporaries leave no pages of the memory pool pinned.
 
 A LoRA change re-reads the groups the old and the new chain touch from the file and writes the new
 values into the same tensors (fp8 layers re-quantized in place), so compiled graphs and captured CUDA
@@ -34,6 +35,7 @@ from .checkpoints.layouts import ModelFiles, ValidatedFiles, read_json, validate
 from .checkpoints.materialize import check_keys_and_shapes, find_meta_tensors, read_tensors
 from .checkpoints.scaled_fp8 import dequantize, is_scale_key
 from .checkpoints.shapes import strip_prefix, validated_dit_shapes
+from .device_pack import pack_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -194,14 +196,18 @@ def build_dit(source: DitSource, *, device: torch.device | str, dtype: torch.dty
         if fp8_config is not None:
             reports.append(_quantize_group(model, group, fp8_config))
         if group == REST:
+            pack_tensors(model, device, leave=model.transformer_blocks)
             continue
         index = int(group[len(BLOCKS) + 1:-1])
+        block = model.transformer_blocks[index]
         if fp8_config is not None:
             from .fast.qkv import FP8_FUSED_STREAMS, fuse_block_fp8_qkv
 
-            fused_qkv += fuse_block_fp8_qkv(model.transformer_blocks[index], index, FP8_FUSED_STREAMS)
+            fused_qkv += fuse_block_fp8_qkv(block, index, FP8_FUSED_STREAMS)
         if streaming is not None and index >= first_host_block:
-            streaming.add(model.transformer_blocks[index])
+            streaming.add(block)
+        else:
+            pack_tensors(block, device)
     leftover = [name for name in find_meta_tensors(model) if not name.startswith("pos_embed")]
     if leftover:
         raise RuntimeError(f"{source.path.name}: the DiT still has meta tensors after loading: {leftover[:5]}")

@@ -27,16 +27,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
+from .tensor_slots import aligned_bytes, carve, set_slot, tensor_slots
+
 logger = logging.getLogger(__name__)
 
 
 PIN_THREADS = 8
 """Units page-locked and copied at a time by :meth:`LayerStreaming.add_all` (``cudaHostRegister`` releases the
 GIL; the 8.3 GB fp8 text encoder took 4.4 s with one thread and 3.0 s with 8 on an H200 host)."""
-
-ALIGN = 256
-"""Byte alignment of each tensor in the host arena (enough for any dtype and for fast copies)."""
-
 
 class HostArena:
     """One page-locked host buffer that tensors are carved from (``cudaHostRegister`` on a plain allocation).
@@ -56,12 +54,7 @@ class HostArena:
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """A tensor of ``like``'s shape and dtype in the arena, holding a copy of ``like``."""
-        size = like.numel() * like.element_size()
-        start = -(-self.offset // ALIGN) * ALIGN
-        if start + size > self.buffer.numel():
-            raise RuntimeError("host arena overflow (a builder bug: sizes were counted before)")
-        self.offset = start + size
-        out = self.buffer[start:start + size].view(like.dtype).view(like.shape)
+        out, self.offset = carve(self.buffer, self.offset, like)
         out.copy_(like.detach().reshape(like.shape))
         return out
 
@@ -78,22 +71,11 @@ def _pinned_copy(unit: nn.Module) -> tuple[HostArena, list[tuple[nn.Module, str,
     """A new pinned arena holding a copy of each of ``unit``'s tensors, and where each belongs (``unit`` is not
     changed: safe on a worker thread)."""
     with torch.no_grad():
-        slots = _tensor_slots(unit)
-        arena = HostArena(_arena_bytes([getattr(owner, name) for owner, name, _ in slots]))
+        slots = tensor_slots(unit)
+        arena = HostArena(aligned_bytes([getattr(owner, name) for owner, name, _ in slots]))
         return arena, [(owner, name, is_param, arena.take(getattr(owner, name))) for owner, name, is_param in slots]
 
 
-def _arena_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors) + ALIGN
-
-
-def _tensor_slots(module: nn.Module) -> list[tuple[nn.Module, str, bool]]:
-    """(owner, name, is_parameter) of every parameter and buffer under ``module`` (each owner's own)."""
-    slots = []
-    for owner in module.modules():
-        slots += [(owner, name, True) for name, t in owner._parameters.items() if t is not None]
-        slots += [(owner, name, False) for name, t in owner._buffers.items() if t is not None]
-    return slots
 
 
 class LayerStreaming:
@@ -157,7 +139,7 @@ class LayerStreaming:
     def _attach(self, unit: nn.Module, arena: HostArena, entries: list[tuple[nn.Module, str, bool, torch.Tensor]]
                 ) -> None:
         for owner, name, is_param, host in entries:
-            self._set(owner, name, is_param, host)
+            set_slot(owner, name, is_param, host)
             self.host_bytes += host.numel() * host.element_size()
         self._host[id(unit)] = entries
         self.units.append(unit)
@@ -180,17 +162,10 @@ class LayerStreaming:
                 if tensor is None:
                     continue
                 if tensor.device != self.device:
-                    self._set(owner, name, name in owner._parameters, tensor.detach().to(self.device))
+                    set_slot(owner, name, name in owner._parameters, tensor.detach().to(self.device))
                 self.device_bytes += tensor.numel() * tensor.element_size()
         logger.info("layer streaming: %d units, %.2f GiB in pinned host memory, %.2f GiB on %s", len(self.units),
                     self.host_bytes / 2**30, self.device_bytes / 2**30, self.device)
-
-    @staticmethod
-    def _set(owner: nn.Module, name: str, is_param: bool, value: torch.Tensor) -> None:
-        if is_param:
-            owner._parameters[name].data = value
-        else:
-            owner._buffers[name] = value
 
     def streams(self, unit: nn.Module) -> bool:
         """Whether ``unit`` is one of the streamed units."""
@@ -200,12 +175,12 @@ class LayerStreaming:
         """Copy ``unit``'s weights to the device (asynchronously, in stream order with the work that follows)."""
         with torch.no_grad():
             for owner, name, is_param, host in self._host[id(unit)]:
-                self._set(owner, name, is_param, host.to(self.device, non_blocking=True))
+                set_slot(owner, name, is_param, host.to(self.device, non_blocking=True))
 
     def offload(self, unit: nn.Module) -> None:
         """Point ``unit``'s weights back at their host copies; the device copies are freed in stream order."""
         for owner, name, is_param, host in self._host[id(unit)]:
-            self._set(owner, name, is_param, host)
+            set_slot(owner, name, is_param, host)
 
     def remove(self) -> None:
         """Stop streaming: hooks removed, the host memory unregistered (the units' weights stay readable there)."""

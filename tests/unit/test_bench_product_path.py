@@ -172,6 +172,8 @@ def test_the_samplers_report_and_the_server_log_are_read():
     parsed = pp.parse_log(log)
     assert parsed == {"progress": "1/10", "s_per_step": 5.0, "progress_elapsed_s": 5, "executed_s": 35.02}
     assert pp.parse_log(log.rsplit("\n", 1)[0])["s_per_step"] == pytest.approx(1 / 1.2, abs=1e-4)
+    sampler = "INFO Qwen Edit Sampler ran from 1764312345.125 to 1764312346.063 (wall clock, s)\n"
+    assert pp.parse_log(sampler + sampler.replace("45.125", "47.5"))["sampler_wall"] == [1764312347.5, 1764312346.063]
 
 
 def _job(n, label, wall, held, anon, **extra):
