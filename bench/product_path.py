@@ -1184,6 +1184,18 @@ def targets(runs: list[dict[str, Any]]) -> str:
                     and (not plain or j["job"] in (name, f"{name}:vary"))
                     and (warm is None or j.get("first_on_server") is not warm)]
 
+        def newest(name: str, warm: bool | None = None, plain: bool = True, version: str = version
+                   ) -> tuple[list[dict[str, Any]], str]:
+            """:func:`of`'s jobs from the newest run of ``version`` that has any (the pack's build changes between
+            runs; its memory and times are those of the newest code measured), and that run's date and commit."""
+            for run in sorted((r for r in runs if r["comfyui_version"] == version), key=lambda r: r["date"],
+                              reverse=True):
+                picked = of(name, warm, plain, ok=[(srv, j) for srv in run["servers"] for j in srv["jobs"]
+                                                   if "skipped" not in j and j.get("ok")])
+                if picked:
+                    return picked, f" (newest run: {run['date'][:10]}, {run['commit'][:7]})"
+            return [], ""
+
         summaries = [summarize(r) for r in runs if r["comfyui_version"] == version]
         series = [s for sm in summaries for s in sm["series"] if s["series"].startswith("fastest:vary") and
                   s["planned"] >= 20]
@@ -1193,24 +1205,27 @@ def targets(runs: list[dict[str, Any]]) -> str:
             rows.append(("20 fastest prompts in a row, new seeds and prompts: nothing lost, no crash",
                          f"{s['ok']} of {s['planned']} ok, server survived each: {_num(s['survived_all'])}",
                          "yes" if s["ok"] == s["planned"] and s["survived_all"] else "no"))
-        fastest = [j for srv, j in ok if j["job"] in ("fastest", "fastest:vary") and not _after_comfy_loaders(srv, j)]
-        peak = max((j["gpu"]["peak_MiB"] for j in fastest if (j.get("gpu") or {}).get("peak_MiB")), default=None)
-        torch_peak = max((j["stages"]["torch_peak_GiB"] for j in fastest if "torch_peak_GiB" in j["stages"]),
+        fastest, fastest_run = newest("fastest")
+        alone = [j for srv, j in ok if any(j is f for f in fastest) and not _after_comfy_loaders(srv, j)]
+        peak = max((j["gpu"]["peak_MiB"] for j in alone if (j.get("gpu") or {}).get("peak_MiB")), default=None)
+        torch_peak = max((j["stages"]["torch_peak_GiB"] for j in alone if "torch_peak_GiB" in j["stages"]),
                          default=None)
         rows.append(("GPU peak of a fastest prompt <= 28 GiB (card; PyTorch's allocator), on servers where no "
                      "ComfyUI-loader prompt ran before it",
-                     f"{_num(_gib(peak))} GiB; {_num(torch_peak)} GiB", _check(_gib(peak), 28.0)))
-        held = [j["gpu"]["held_MiB"] for j in fastest if (j.get("gpu") or {}).get("held_MiB")]
+                     f"{_num(_gib(peak))} GiB; {_num(torch_peak)} GiB{fastest_run}", _check(_gib(peak), 28.0)))
+        held = [j["gpu"]["held_MiB"] for j in alone if (j.get("gpu") or {}).get("held_MiB")]
         rows.append(("GPU memory held between fastest prompts (card): the fp8 DiT + what ComfyUI keeps",
-                     f"median {_num(_gib(_median(held)))} GiB", ""))
-        low = [j["gpu"]["peak_MiB"] for j in of("low_vram") if (j.get("gpu") or {}).get("peak_MiB")]
-        rows.append(("GPU peak of a low VRAM prompt <= 20 GiB (card)", f"{_num(_gib(max(low, default=None)))} GiB",
-                     _check(_gib(max(low, default=None)), 20.0)))
-        seeds_only = [j["queue_to_image_s"] for j in of("fastest", warm=True) if j["job"] == "fastest"]
+                     f"median {_num(_gib(_median(held)))} GiB{fastest_run}", ""))
+        low, low_run = newest("low_vram")
+        low = [j["gpu"]["peak_MiB"] for j in low if (j.get("gpu") or {}).get("peak_MiB")]
+        rows.append(("GPU peak of a low VRAM prompt <= 20 GiB (card)",
+                     f"{_num(_gib(max(low, default=None)))} GiB{low_run}", _check(_gib(max(low, default=None)), 20.0)))
+        warm_jobs, warm_run = newest("fastest", warm=True)
+        seeds_only = [j["queue_to_image_s"] for j in warm_jobs if j["job"] == "fastest"]
         new_prompts = [j["queue_to_image_s"] for j in of("fastest", warm=True) if j["job"] == "fastest:vary"]
         warm = _median(seeds_only or new_prompts)
         rows.append(("warm fastest, queue to image <= 14.0 s (H100)" + ("" if seeds_only else
-                     ", each prompt a new text (its encoding included)"), f"median {_num(warm)} s",
+                     ", each prompt a new text (its encoding included)"), f"median {_num(warm)} s{warm_run}",
                      _check(warm, 14.0)))
         if seeds_only and new_prompts:
             rows.append(("warm fastest with a new prompt text each time (its encoding included)",
@@ -1222,8 +1237,9 @@ def targets(runs: list[dict[str, Any]]) -> str:
                          "DiT file, whichever was faster)",
                          f"{ratio}x ({warm} s / {min(core)} s)", _check(ratio, 0.42)))
         rows += _model_path_rows(ok, of)
-        lightning = _median([j["queue_to_image_s"] for j in of("lightning_4step", warm=True)])
-        rows.append(("Lightning 4-step warm, queue to image <= 1.2 s", f"median {_num(lightning)} s",
+        lightning, lightning_run = newest("lightning_4step", warm=True)
+        lightning = _median([j["queue_to_image_s"] for j in lightning])
+        rows.append(("Lightning 4-step warm, queue to image <= 1.2 s", f"median {_num(lightning)} s{lightning_run}",
                      _check(lightning, 1.2)))
         above = _anon_above_idle(runs, version, "fastest")
         rows.append(("server anonymous host memory peak <= 10 GiB above the idle server (fastest prompts)",

@@ -4,6 +4,7 @@ report, the server log and a run's results."""
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -219,7 +220,7 @@ def test_summary_and_table_of_a_run():
     assert "first image after **85.0 s**" in table and "NVIDIA H100 80GB HBM3" in table
     checks = pp.targets([results])
     assert ("| 0.3.75 | warm fastest, queue to image <= 14.0 s (H100), each prompt a new text (its encoding "
-            "included) | median 14.10 s | no |") in checks
+            "included) | median 14.10 s (newest run: 2026-11-26, abc) | no |") in checks
     assert ("| 0.3.75 | GPU peak of a fastest prompt <= 28 GiB (card; PyTorch's allocator), on servers where no "
             "ComfyUI-loader prompt ran before it | 30.00 GiB; ") in checks
     assert "empty Inductor cache <= 75 s | 85.0 s | no |" in checks
@@ -236,8 +237,18 @@ def test_summary_and_table_of_a_run():
     # with prompts that change only the seed, the warm target is theirs, and new-text prompts get their own row
     results["servers"][0]["jobs"].append(_job(8, "fastest", 13.5, 20480, 8.0))
     checks = pp.targets([results])
-    assert "| 0.3.75 | warm fastest, queue to image <= 14.0 s (H100) | median 13.50 s | yes |" in checks
+    assert ("| 0.3.75 | warm fastest, queue to image <= 14.0 s (H100) | median 13.50 s (newest run: 2026-11-26, abc) "
+            "| yes |") in checks
     assert "| warm fastest with a new prompt text each time (its encoding included) | median 14.10 s |  |" in checks
+    # the pack's memory and times are judged on the newest run that has its prompts (its build changes)
+    newer = copy.deepcopy(results)
+    newer.update(date="2026-11-27 10:00 UTC", commit="def")
+    for job in newer["servers"][0]["jobs"]:
+        if (job.get("gpu") or {}).get("peak_MiB"):
+            job["gpu"]["peak_MiB"] = 20 * 1024
+    checks = pp.targets([results, newer])
+    assert "ran before it | 20.00 GiB; " in checks and "GiB (newest run: 2026-11-27, def) | yes |" in checks
+    assert "GiB (newest run: 2026-11-27, def) | yes |" not in pp.targets([results])
     # the MODEL path against ComfyUI core's best warm s/step (by its progress line) and the pack's fastest
     assert "ComfyUI core nodes + FP8" not in checks
     jobs = results["servers"][0]["jobs"]
