@@ -37,12 +37,22 @@ DIT_PREFIX = "diffusion_model."
 
 @dataclass
 class Fp8Dit:
-    """One fp8 copy of a base DiT: ``module`` (the copy), ``base`` (ComfyUI's DiT), the config and report."""
+    """One fp8 copy of a base DiT: ``module`` (the copy), ``base_ref`` (a weak reference to ComfyUI's DiT: the copy
+    never keeps a base alive that ComfyUI let go), the config and report."""
 
     module: torch.nn.Module
-    base: torch.nn.Module
+    base_ref: weakref.ReferenceType
     config: object
     report: object
+
+    @property
+    def base(self) -> torch.nn.Module:
+        """ComfyUI's DiT (ComfyModelError once ComfyUI has let it go)."""
+        base = self.base_ref()
+        if base is None:
+            raise ComfyModelError("model: the DiT this FP8 copy was made from is no longer loaded; queue the "
+                                  "prompt again so Apply TE-FP8 runs on the loaded model")
+        return base
 
     def fp8_keys(self) -> set[str]:
         """Full model keys (``diffusion_model.<layer>.weight`` / ``.bias``) of the fp8 layers."""
@@ -50,7 +60,8 @@ class Fp8Dit:
 
 
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""base DiT -> Fp8Dit (the latest config only: a new config replaces the copy, so one fp8 copy per base lives)."""
+"""base DiT -> Fp8Dit (the latest config only: a new config replaces the copy, so one fp8 copy per base lives).
+The copy refers to its base weakly, so an entry goes when ComfyUI lets the base go."""
 
 
 def fp8_dit(base: torch.nn.Module, config) -> Fp8Dit:
@@ -65,7 +76,7 @@ def fp8_dit(base: torch.nn.Module, config) -> Fp8Dit:
     if not module.fp8_report.converted:
         raise ComfyModelError("model: no linear layer of the DiT could be converted to FP8 (" +
                               "; ".join(sorted({d.reason for d in module.fp8_report.skipped})) + ")")
-    held = Fp8Dit(module=module, base=base, config=config, report=module.fp8_report)
+    held = Fp8Dit(module=module, base_ref=weakref.ref(base), config=config, report=module.fp8_report)
     _COPIES[base] = held
     return held
 

@@ -242,3 +242,21 @@ def test_the_nodes_take_a_model_and_return_one_for_ksampler(comfy):
         ApplyFP8.execute(**widgets, where_unsupported="emulate")
     with pytest.raises(NodeInputError, match=r"attention: triton_fp8 cannot run here"):
         ApplyFP8.execute(**widgets, where_unsupported="emulate", model=base, attention="triton_fp8")
+
+
+def test_the_fp8_copy_goes_when_comfyui_lets_its_base_go(comfy):
+    import gc
+    import weakref
+
+    from qwen_edit_hopper.nodes.comfy_model.fp8_model import _COPIES, fp8_model
+
+    base = _patcher(comfy)
+    fast, held = fp8_model(base, _config())
+    assert held.base is base.model.diffusion_model
+    gone = weakref.ref(base.model.diffusion_model)
+    copy = weakref.ref(held.module)
+    entries = len(_COPIES)
+    del base, fast, held
+    gc.collect()
+    assert gone() is None and copy() is None  # neither the bf16 base nor its fp8 copy stays in memory
+    assert len(_COPIES) == entries - 1
