@@ -76,8 +76,6 @@ def _pinned_copy(unit: nn.Module) -> tuple[HostArena, list[tuple[nn.Module, str,
         return arena, [(owner, name, is_param, arena.take(getattr(owner, name))) for owner, name, is_param in slots]
 
 
-
-
 class LayerStreaming:
     """Streams units of a model from pinned host memory to ``device`` (see the module docstring).
 
