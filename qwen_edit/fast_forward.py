@@ -55,7 +55,7 @@ from .fast.options import SHIPPED, ForwardOptions
 from .fast.prepared import PreparedDit
 from .fast.qkv import FUSED_QKV_PATTERN, fuse_qkv
 from .fast.text import batch_prompts, text_lengths
-from .parallel.ulysses import SequenceShards, padded_length
+from .parallel.ulysses import FP8_EXCHANGE_BACKENDS, SequenceShards, padded_length
 
 __all__ = [
     "FUSED_QKV_PATTERN",
@@ -328,7 +328,9 @@ def _forward(prepared: PreparedDit, latents: torch.Tensor, timestep: torch.Tenso
     kernels = plan.block
     if shards is not None:  # cudnn_fp8's fused quantization kernels feed its own joint-sequence call, not the exchange
         kernels = dataclasses.replace(kernels, qk_quant=False, v_quant=False, joint_v_gemm=False,
-                                      traced_exchange=plan.options.ulysses_traced_exchange)
+                                      traced_exchange=plan.options.ulysses_traced_exchange,
+                                      fp8_exchange=plan.options.ulysses_fp8_exchange
+                                      and attention_backend in FP8_EXCHANGE_BACKENDS)
     streaming = prepared.streaming
     for i, block in enumerate(dit.transformer_blocks):
         if mark:

@@ -265,7 +265,8 @@ def fast_block(
             out = joint_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), si, txt_lens, key_mask,
                                   backend)
         else:
-            out = sequence[0].attention(q, k, v, si, sequence[1], txt_lens, backend, kernels.traced_exchange)
+            out = sequence[0].attention(q, k, v, si, sequence[1], txt_lens, backend, kernels.traced_exchange,
+                                        kernels.fp8_exchange)
     kept = None if target is None else target.shape[0]
     img_attn, txt_attn = split_output(out, si, kept)
     if kept is not None:  # the last block: only the target tokens' image stream is read after it

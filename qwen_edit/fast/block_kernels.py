@@ -29,6 +29,8 @@ class BlockKernels:
         small_m_gemm: row-wise fp8 GEMMs may take the small-M Triton kernel (``fp8.small_m_gemm``).
         traced_exchange: under Ulysses, the exchange around the attention, its all-to-alls included, is traced
             with the block (``ForwardOptions.ulysses_traced_exchange``).
+        fp8_exchange: under Ulysses with cuDNN FP8 attention, q, k, v and the attention's output travel as e4m3
+            (``ForwardOptions.ulysses_fp8_exchange``).
     """
 
     norm_quant: bool = False
@@ -40,6 +42,7 @@ class BlockKernels:
     residual_epilogue: tuple[str, ...] = ()
     small_m_gemm: bool = False
     traced_exchange: bool = False
+    fp8_exchange: bool = False
 
 
 NO_FUSED_KERNELS = BlockKernels()

@@ -71,6 +71,11 @@ class ForwardOptions:
             into the compiled block: one graph per block; off, that section runs eagerly between two graphs. On
             in the shipped options: on two H200s one Ulysses 2 rank's forward takes 147 ms traced against 329 ms
             eager (decision 0014).
+        ulysses_fp8_exchange: under Ulysses sequence parallel with cuDNN FP8 attention, q, k and v are quantized
+            before the exchange (one scale per tensor over all ranks, agreed by an all-reduce of three maxima: one
+            process's scales) and travel as e4m3, and so does the attention's e4m3 output: half the bytes of each
+            all-to-all. Other attention backends run the exchange in the compute dtype (said in the run's notes).
+            Off in the shipped options: not measured on GPUs yet.
     """
 
     trim_last_block: bool = True
@@ -84,6 +89,7 @@ class ForwardOptions:
     residual_epilogue: tuple[str, ...] = RESIDUAL_SITES
     small_m_gemm: bool = True
     ulysses_traced_exchange: bool = True
+    ulysses_fp8_exchange: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -30,7 +30,7 @@ from ..plan import PipePlan
 from ..sampling import Callbacks, Conditioning
 from .denoise import RankGroups, parallel_denoise
 from .layout import ParallelChoice
-from .ulysses import SequenceShards
+from .ulysses import SequenceShards, exchange_dtype_note
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,8 @@ def _run_job(job: dict, runtime, groups: RankGroups, conn, device: torch.device)
     if groups.sequence is not None:
         notes.append("Ulysses exchange: " + ("traced into the compiled block (functional all-to-alls)"
                                              if plan.forward.ulysses_traced_exchange else
-                                             "eager between two graphs of each block"))
+                                             "eager between two graphs of each block") + "; " +
+                     exchange_dtype_note(plan.forward.ulysses_fp8_exchange, plan.attention_backend))
     interrupts = _Interrupts(conn, device)
     rank = groups.place.rank
 
