@@ -7,19 +7,16 @@ one process's.
 from __future__ import annotations
 
 import dataclasses
-import json
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F  # noqa: N812
 from pack import load_pack
 
 load_pack()  # the spawned ranks import this module without the conftest
 
-from comfy_server import free_port  # noqa: E402
+from gloo_ranks import finish_rank, init_rank, run_ranks  # noqa: E402
 from qwen_edit_hopper.fp8.attention.cudnn_fp8 import attention_quantized, quantize_per_tensor  # noqa: E402
 from qwen_edit_hopper.qwen_edit import fast_forward  # noqa: E402
 from qwen_edit_hopper.qwen_edit.fast.block import length_carriers  # noqa: E402
@@ -58,8 +55,7 @@ def _shard(x: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def _rank(rank: int, port: int, out_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    init_rank(rank, port)
     shards = SequenceShards(group=dist.group.WORLD, degree=2, rank=rank)
     q, k, v = _full()
     expected = _shard(_one_process(q, k, v), rank)
@@ -87,17 +83,11 @@ def _rank(rank: int, port: int, out_path: str) -> None:
             out = fast_forward.fast_model_fn(PreparedDit(build_dit(torch.float32, layers=2)), **inputs,
                                              attention_backend=BACKEND, options=options, sequence_shards=shards)
             results[f"model fp8={fp8}"] = rel(out, single)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+    finish_rank(rank, results, out_path)
 
 
 def test_an_fp8_exchange_gives_one_process_codes(tmp_path):
-    port = free_port()
-    out = tmp_path / "results.json"
-    mp.spawn(_rank, args=(port, str(out)), nprocs=2, join=True)
-    results = json.loads(out.read_text())
+    results = run_ranks(_rank, tmp_path)
     print(results)
     for traced in (False, True):
         row = results[f"traced={traced}"]

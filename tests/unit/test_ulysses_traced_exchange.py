@@ -7,18 +7,15 @@ Graphs are counted, and their all-to-all nodes with them, by a backend that runs
 from __future__ import annotations
 
 import dataclasses
-import json
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from pack import load_pack
 
 load_pack()  # the spawned ranks import this module without the conftest
 
 import test_fast_forward_compile  # noqa: E402
-from comfy_server import free_port  # noqa: E402
+from gloo_ranks import finish_rank, init_rank, run_ranks  # noqa: E402
 from qwen_edit_hopper.qwen_edit import fast_forward  # noqa: E402
 from qwen_edit_hopper.qwen_edit.fast.options import SHIPPED  # noqa: E402
 from qwen_edit_hopper.qwen_edit.fast_forward import PreparedDit  # noqa: E402
@@ -39,8 +36,7 @@ class CountingBackend(test_fast_forward_compile.CountingBackend):
 
 
 def _rank(rank: int, port: int, out_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    init_rank(rank, port)
     shards = SequenceShards(group=dist.group.WORLD, degree=2, rank=rank)
     inputs = make_inputs(torch.float32)
     results = {}
@@ -58,17 +54,11 @@ def _rank(rank: int, port: int, out_path: str) -> None:
             results[str(traced)] = {"rel_single": rel(out, single), "graphs": first, "graphs_after": counter.graphs,
                                     "all_to_alls": counter.all_to_alls,
                                     "same_again": bool(torch.equal(out, again))}
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+    finish_rank(rank, results, out_path)
 
 
 def test_traced_exchange_predicts_as_the_eager_one_with_its_section_in_the_graph(tmp_path):
-    port = free_port()
-    out = tmp_path / "results.json"
-    mp.spawn(_rank, args=(port, str(out)), nprocs=2, join=True)
-    results = json.loads(out.read_text())
+    results = run_ranks(_rank, tmp_path)
     eager, traced = results["False"], results["True"]
     for variant in (eager, traced):
         assert variant["rel_single"] < 1e-5, results  # Ulysses' prediction is the one-process prediction
