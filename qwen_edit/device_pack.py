@@ -13,14 +13,10 @@ bytes more at the build's peak.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from .tensor_slots import Slot, aligned_bytes, carve, set_slot, tensor_slots
-
-logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()

@@ -63,6 +63,8 @@ def test_options_are_validated_hashable_values():
         ForwardOptions(trim_last_block=1)
     with pytest.raises(ValueError, match="ulysses_traced_exchange must be True or False"):
         ForwardOptions(ulysses_traced_exchange="yes")
+    with pytest.raises(ValueError, match="ulysses_fp8_exchange must be True or False"):
+        ForwardOptions(ulysses_fp8_exchange="on")
     with pytest.raises(dataclasses.FrozenInstanceError):
         SHIPPED.small_m_gemm = False
 
