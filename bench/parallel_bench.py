@@ -9,10 +9,13 @@ encoder and the VAE run in the driver either way and are not timed.
 
 Per layout: one warm-up edit of 2 steps (loading, compile, graph capture: the workers' start is reported apart),
 then the timed edit: ``--steps`` steps, true CFG ``--cfg``. The one-GPU path runs its default, the two prompts as
-one batch-2 forward. ``rel diff`` compares the final latents with the one-GPU ones.
+one batch-2 forward. ``rel diff`` compares the final latents with the first row's (the one-GPU ones when ``1`` comes
+first). ``--options`` given more than once runs the multi-GPU layouts once per options set, in the order given, and
+the one-GPU layout with the first set only: an A/B of a forward option within one call.
 
     python3 bench/parallel_bench.py MODELS [--layouts 1,cfg2,u2,cfg2xu2] [--size 1024] [--steps 40] [--cfg 4]
                                            [--references 1]
+    python3 bench/parallel_bench.py MODELS --layouts 1,u2 --options shipped --options shipped-with:ulysses_fp8_exchange
     python3 bench/parallel_bench.py MODELS --tiny --layouts 1,cfg2     # the code path on the CPU, in seconds
 
 ``--profile-degree P`` instead shows where one Ulysses rank's DiT forward spends its time. It spawns P processes (NCCL
@@ -262,15 +265,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="reference images, each at the output size (vLLM-Omni's published run: 2 at 1536, 35 "
                         "steps)")
     parser.add_argument("--tiny", action="store_true", help="the tiny DiT on the CPU (checks the code path)")
-    parser.add_argument("--options", default="shipped", type=options_named,
-                        help="the fast forward's options: shipped, unfused, shipped-without:F[+F...], shipped-with:F "
-                             "(e.g. shipped-without:ulysses_traced_exchange)")
+    parser.add_argument("--options", action="append", type=options_named,
+                        help="the fast forward's options: shipped (default), unfused, shipped-without:F[+F...], "
+                             "shipped-with:F (e.g. shipped-without:ulysses_traced_exchange); again for an A/B of the "
+                             "multi-GPU layouts")
     parser.add_argument("--profile-degree", type=int, choices=(1, 2, 4, 8),
                         help="instead of the layouts: profile one forward on this many Ulysses ranks (1: no shards)")
     parser.add_argument("--warmup", type=int, default=3, help="--profile-degree: forwards before timing")
     parser.add_argument("--repeats", type=int, default=5, help="--profile-degree: timed forwards")
     args = parser.parse_args(argv)
+    options = args.options or [options_named("shipped")]
     if args.profile_degree:
+        if len(options) > 1:
+            parser.error("--profile-degree: one --options at a time")
+        args.options = options[0]
         return profile(parser, args)
     names = args.layouts.split(",")
     unknown = [n for n in names if n not in LAYOUTS]
@@ -283,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.device_count() < wanted:
             parser.error(f"--layouts: {wanted} GPUs needed, {torch.cuda.device_count()} visible")
     path = dit_file(args.models, args.tiny, device)
-    plan = make_plan(path, args.tiny).with_forward(args.options)
+    base_plan = make_plan(path, args.tiny)
+    runs = [(name, chosen) for i, chosen in enumerate(options) for name in names if i == 0 or LAYOUTS[name]]
     text_dim = configs(TINY if args.tiny else FULL)[0].text_dim
     cond = conditioning(text_dim, args.size, device, dtype, args.references)
     request = EditRequest(images=(), prompt="", negative_prompt="", seed=7, steps=args.steps, cfg=args.cfg,
@@ -291,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     card = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
     rows, reference = [], None
     try:
-        for name in names:
-            layout = LAYOUTS[name]
+        for name, chosen in runs:
+            layout, plan = LAYOUTS[name], base_plan.with_forward(chosen)
             if layout is None:
                 seconds, latents = one_device(plan, request, cond, device, dtype)
                 start_s, gpus, label = 0.0, 1, "one GPU (batched CFG)"
@@ -301,20 +310,19 @@ def main(argv: list[str] | None = None) -> int:
                 gpus, label = layout.world, layout.describe()
             reference = latents if reference is None else reference
             diff = ((latents - reference).norm() / reference.norm()).item()
-            rows.append((name, gpus, seconds, start_s, diff, label))
-            print(f"{name}: {seconds:.2f} s", flush=True)
+            rows.append((name, gpus, seconds, start_s, diff, label, chosen.describe()))
+            print(f"{name} ({chosen.describe()}): {seconds:.2f} s", flush=True)
     finally:
         stop_engine()
     base = rows[0][2]
     print(f"\n{args.size}x{args.size} edit, {args.references} reference(s), {args.steps} steps, "
           f"true CFG {args.cfg:g}, "
-          f"{'tiny DiT fp32' if args.tiny else 'fastest preset (fp8 rowwise, cudnn_fp8, compiled)'}, "
-          f"forward options {args.options.describe()}, {card}")
-    print("| layout | GPUs | denoise s | s/step | speed-up | workers start s | rel diff |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, gpus, seconds, start_s, diff, label in rows:
-        print(f"| {name}: {label} | {gpus} | {seconds:.2f} | {seconds / args.steps:.3f} | {base / seconds:.2f}x | "
-              f"{start_s:.1f} | {diff:.1e} |")
+          f"{'tiny DiT fp32' if args.tiny else 'fastest preset (fp8 rowwise, cudnn_fp8, compiled)'}, {card}")
+    print("| layout | forward options | GPUs | denoise s | s/step | speed-up | workers start s | rel diff |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name, gpus, seconds, start_s, diff, label, described in rows:
+        print(f"| {name}: {label} | {described} | {gpus} | {seconds:.2f} | {seconds / args.steps:.3f} | "
+              f"{base / seconds:.2f}x | {start_s:.1f} | {diff:.1e} |")
     return 0
 
 

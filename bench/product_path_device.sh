@@ -24,6 +24,9 @@
 #       only writes the files (needs .device/pack): an earlier call can spare a later one that minute.
 #   bash bench/product_path_device.sh gpu-test [TEST ...]
 #       the same set-up for ComfyUI 0.3.75, then the GPU tests named (default tests/gpu/test_product_path_tool_gpu.py).
+#   bash bench/product_path_device.sh parallel [parallel_bench.py options]
+#       the same set-up, then bench/parallel_bench.py on the models folder (it writes the fp8 DiT when missing) within
+#       what is left of QEH_LIMIT; its output also goes to $OUT/parallel-<time>.log.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
@@ -326,6 +329,22 @@ gpu_test() {  # gpu_test [TEST ...]: the GPU tests named (default: this tool's) 
   $PY -m pytest -m gpu -p no:cacheprovider -q -rs -s "$@" 2>&1 | tee "$OUT/pytest.log"
 }
 
+parallel() {  # parallel [OPTION ...]: bench/parallel_bench.py with ComfyUI 0.3.75's set-up, within QEH_LIMIT
+  OUT=${OUT:-$ROOT/runs/parallel}
+  mkdir -p "$OUT"
+  setup 0.3.75
+  local models left log
+  models=${QEH_MODELS:-$(models_dir)}
+  left=$((LIMIT - SECONDS))
+  [ $left -gt 30 ] || die "parallel: $left s left of QEH_LIMIT"
+  log=$OUT/parallel-$(date +%H%M%S).log
+  say "parallel_bench.py $* ($left s left)"
+  timeout -k 10 $((left - 5)) $PY bench/parallel_bench.py "$models" "$@" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  say "done (rc $rc)"
+  return "$rc"
+}
+
 case ${1:-} in
   prepare) shift; prepare "$@" ;;
   commands) commands ;;
@@ -333,5 +352,6 @@ case ${1:-} in
   stash) stash ;;
   files) shift; files_only "$@" ;;
   gpu-test) shift; gpu_test "$@" ;;
-  *) sed -n '2,26p' "$0"; exit 2 ;;
+  parallel) shift; parallel "$@" ;;
+  *) sed -n '2,29p' "$0"; exit 2 ;;
 esac

@@ -1,4 +1,5 @@
-"""bench/parallel_bench.py --profile-degree on the CPU: two gloo ranks profile the tiny DiT's sharded forward."""
+"""bench/parallel_bench.py on the CPU: two gloo ranks profile the tiny DiT's sharded forward; an A/B of forward options
+within one run."""
 
 from __future__ import annotations
 
@@ -35,6 +36,30 @@ def test_more_ranks_than_gpus_are_refused_before_any_file_is_written(tmp_path):
     assert run.returncode == 2
     assert f"--profile-degree 8: {torch.cuda.device_count()} GPUs visible" in run.stderr
     assert not any(tmp_path.iterdir())  # no DiT file written
+
+
+def test_a_second_options_set_reruns_the_multi_gpu_layouts_only_against_the_first_row(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "parallel_bench.py"), str(tmp_path), "--tiny",
+                          "--layouts", "1,u2", "--size", "128", "--steps", "2", "--options", "shipped",
+                          "--options", "shipped-without:ulysses_traced_exchange"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith(("| 1:", "| u2:"))]
+    assert [row.split(" | ")[:2] for row in rows] == [
+        ["| 1: one GPU (batched CFG)", "shipped"],
+        ["| u2: Ulysses sequence parallel 2 on 2 devices (0, 1)", "shipped"],
+        ["| u2: Ulysses sequence parallel 2 on 2 devices (0, 1)", "shipped except ulysses_traced_exchange=False"]]
+    diffs = [float(row.rstrip(" |").rsplit("| ", 1)[1]) for row in rows]
+    assert diffs[0] == 0.0 and all(d < 1e-4 for d in diffs)  # against the one-device latents; fp32 on the CPU
+
+
+def test_a_profile_takes_one_options_set(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "parallel_bench.py"), str(tmp_path), "--tiny",
+                          "--profile-degree", "2", "--options", "shipped", "--options", "unfused"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert "--profile-degree: one --options at a time" in run.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_the_summary_counts_each_kernel_once_not_again_under_the_host_op_that_launched_it():
