@@ -31,6 +31,8 @@ No ``.item()`` / ``.tolist()``: nothing here syncs with the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -155,12 +157,26 @@ def joint_attention(
         return out.transpose(1, 2).flatten(2)
     if txt_lens is None:
         return attention(q, k, v, backend)
-    total = q.shape[2]
+    return per_sample_attention(
+        lambda i, valid: attention(q[i : i + 1, :, :valid], k[i : i + 1, :, :valid], v[i : i + 1, :, :valid], backend),
+        image_tokens, txt_lens, q.shape[2])
+
+
+def per_sample_attention(
+    attend: Callable[[int, int], torch.Tensor],
+    image_tokens: int,
+    txt_lens: tuple[torch.Tensor, ...],
+    total: int,
+) -> torch.Tensor:
+    """Each sample's attention over its own first ``image_tokens + txt_lens[i].shape[0]`` tokens, stacked.
+
+    ``attend(i, valid)`` returns sample i's (1, valid, C) output (any dtype); its rows past ``valid`` up to ``total``
+    are zero in the (B, total, C) result (padded query rows, discarded later).
+    """
     outs = []
     for i, carrier in enumerate(txt_lens):
         valid = image_tokens + carrier.shape[0]
-        o = attention(q[i : i + 1, :, :valid], k[i : i + 1, :, :valid], v[i : i + 1, :, :valid], backend)
-        outs.append(F.pad(o, (0, 0, 0, total - valid)))
+        outs.append(F.pad(attend(i, valid), (0, 0, 0, total - valid)))
     return torch.cat(outs, dim=0)
 
 

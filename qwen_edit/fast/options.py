@@ -75,7 +75,8 @@ class ForwardOptions:
             before the exchange (one scale per tensor over all ranks, agreed by an all-reduce of three maxima: one
             process's scales) and travel as e4m3, and so does the attention's e4m3 output: half the bytes of each
             all-to-all. Other attention backends run the exchange in the compute dtype (said in the run's notes).
-            Off in the shipped options: not measured on GPUs yet.
+            On in the shipped options: on two H200s a 40-step 1024x1024 edit under Ulysses 2 denoises in 12.61 s
+            against 15.31 s with the bf16 exchange, the same distance from one GPU's latents (decision 0014).
     """
 
     trim_last_block: bool = True
@@ -89,7 +90,7 @@ class ForwardOptions:
     residual_epilogue: tuple[str, ...] = RESIDUAL_SITES
     small_m_gemm: bool = True
     ulysses_traced_exchange: bool = True
-    ulysses_fp8_exchange: bool = False
+    ulysses_fp8_exchange: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -17,8 +17,8 @@ the block with its exchange is one graph, Inductor's fused code around the colle
 ``ForwardOptions.ulysses_fp8_exchange`` (through ``BlockKernels.fp8_exchange``; cuDNN FP8 attention only) sends q, k
 and v as e4m3 and gets the attention's e4m3 output back: half the bytes of every all-to-all. The ranks agree on one
 per-tensor scale each for q, k and v first (an all-reduce of three maxima), the scales one process computes over
-the whole q, k and v, so the attention sees the codes one process would quantize. Off in the shipped options until
-measured on GPUs.
+the whole q, k and v, so the attention sees the codes one process would quantize. On in the shipped options (decision
+0014 has the A/B).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F  # noqa: N812
 
 from ...fp8.attention.cudnn_fp8 import E4M3_MAX, attention_quantized
+from ..fast.block import joint_attention, per_sample_attention
 
 __all__ = ["FP8_EXCHANGE_BACKENDS", "SequenceShards", "exchange_dtype_note", "padded_length"]
 
@@ -146,7 +147,6 @@ class SequenceShards:
         Returns:
             (B, s_img + s_txt, H * Dh): this rank's rows of the attention output, all heads.
         """
-        from ..fast.block import joint_attention
 
         p = self.degree
         b, s_local, heads, dh = q.shape
@@ -218,12 +218,11 @@ def _quantized_joint_attention(qkv8: torch.Tensor, descales: torch.Tensor, image
     """``fast.block.joint_attention`` on e4m3 codes: qkv8 (3, B, H, S, Dh) e4m3, descales (3, 1, 1, 1, 1) float32
     -> (B, S, H * Dh) e4m3 codes as uint8 in units of v's descale; per sample over its first ``image_tokens`` +
     its text tokens (``txt_lens``' size carriers), padded query rows zero."""
-    total = qkv8.shape[3]
-    outs = []
-    for i, carrier in enumerate(txt_lens):
-        keep = image_tokens + carrier.shape[0]
-        q8, k8, v8 = (qkv8[j, i:i + 1, :, :keep].contiguous() for j in range(3))
-        out8 = attention_quantized(q8, k8, v8, descales[0].reshape(1, 1, 1, 1), descales[1].reshape(1, 1, 1, 1),
-                                   descales[2].reshape(1, 1, 1, 1), emulate)
-        outs.append(F.pad(out8.view(torch.uint8), (0, 0, 0, total - keep)))
-    return torch.cat(outs, dim=0)
+
+    q_scale, k_scale, v_scale = (d.reshape(1, 1, 1, 1) for d in descales)
+
+    def attend(i: int, valid: int) -> torch.Tensor:
+        q8, k8, v8 = (qkv8[j, i:i + 1, :, :valid].contiguous() for j in range(3))
+        return attention_quantized(q8, k8, v8, q_scale, k_scale, v_scale, emulate).view(torch.uint8)
+
+    return per_sample_attention(attend, image_tokens, txt_lens, qkv8.shape[3])
