@@ -276,6 +276,20 @@ def test_summary_and_table_of_a_run():
     assert "| ComfyUI core nodes + FP8 (KSampler on the pack's MODEL), warm s/step | median 0.330 |  |" in checks
     assert "| its s/step <= 0.55x core's best warm s/step on the same files | 0.55x (0.330 / 0.600) | yes |" in checks
     assert "| its s/step within 10% of the pack's fastest workflow | 1.1x (0.330 / 0.300) | yes |" in checks
+    # a later run's fastest prompts: the MODEL path is still held against the fastest of its own run
+    newer = copy.deepcopy(results)
+    newer.update(commit="new", date="2026-11-29 10:00 UTC")
+    newer["servers"][0]["jobs"] = [_job(1, "fastest", 60.0, 20480, 8.0, first_on_server=True),
+                                   _job(2, "fastest", 12.0, 20480, 8.0)]
+    newer["servers"][0]["jobs"][1]["stages"]["s_per_step"] = 0.2
+    both = pp.targets([results, newer])
+    assert "| its s/step within 10% of the pack's fastest workflow | 1.1x (0.330 / 0.300) | yes |" in both
+    # no fastest prompt in the MODEL path's run: another run's, and the verdict says so
+    alone = copy.deepcopy(results)
+    alone["servers"][0]["jobs"] = [j for j in alone["servers"][0]["jobs"] if not j["job"].startswith("fastest")]
+    apart = pp.targets([alone, newer])
+    assert "| its s/step within 10% of the pack's fastest workflow | 1.65x (0.330 / 0.200) | no (a ratio across " \
+           "runs: abc / new) |" in apart
     # a fastest prompt after ComfyUI's loaders held their model on that server: its peaks are not its own
     late = _job(13, "fastest", 13.5, 46 * 1024, 60.0)
     late["gpu"]["peak_MiB"] = 50 * 1024
@@ -349,3 +363,41 @@ def test_memory_sampler_windows_the_cards_samples_and_the_process_memory(tmp_pat
         assert 0 < host["after_GiB"] <= host["tree_peak_GiB"] and host["peak_GiB"] > 0
     finally:
         sampler.stop()
+
+
+def test_kept_caches_outlive_the_run_and_their_first_image_is_no_start_row(tmp_path):
+    from types import SimpleNamespace
+
+    spec = pp.ServerSpec("model", "core:compile")
+    kept = SimpleNamespace(args=SimpleNamespace(keep_caches=True), work=tmp_path)
+    record: dict = {}
+    folder = pp.Run.cache_dirs(kept, spec, 0, record)
+    assert folder == tmp_path / pp.KEPT_CACHES and record == {"caches": "kept", "kept_cache_files": 0}
+    (folder / "inductor").mkdir()
+    (folder / "inductor" / "graph.bin").write_text("compiled")
+    record = {}
+    assert pp.Run.cache_dirs(kept, spec, 1, record) == folder  # a later run, or the next server: the same folder
+    assert record["kept_cache_files"] == 1 and (folder / "inductor" / "graph.bin").is_file()
+    fresh = SimpleNamespace(args=SimpleNamespace(keep_caches=False), work=tmp_path)
+    record = {}
+    (tmp_path / "cache-0").mkdir()
+    (tmp_path / "cache-0" / "old.bin").write_text("x")
+    assert pp.Run.cache_dirs(fresh, spec, 0, record) == tmp_path / "cache-0" and record == {}
+    assert not any((tmp_path / "cache-0").iterdir())  # without the option every fresh server starts empty
+
+    def run(caches):
+        job = {"n": 1, "job": "fastest", "series": "fastest", "index": 0, "ok": True, "queue_to_image_s": 30.0,
+               "stages": {"s_per_step": 0.3}, "gpu": {"peak_MiB": 20480, "held_MiB": 19000},
+               "host": {"peak_GiB": 9.0, "after_GiB": 9.0}, "survived": True, "first_on_server": True}
+        return {"plan": "p", "description": "d", "date": "2026-11-28 10:00 UTC", "commit": "abc",
+                "comfyui_version": "0.3.75", "sizes": "full", "device": "gpu",
+                "card": {"name": "NVIDIA H200", "memory": "143771 MiB", "driver": "580"},
+                "files": {"dit": "d", "text_encoder": "t", "vae": "v"},
+                "servers": [{"label": "model", "caches": caches, "start_s": 20.0, "kept_cache_files": 7,
+                             "idle": {"gpu_MiB": 500, "anon_GiB": 0.5}, "restarts": [], "alive_at_end": True,
+                             "jobs": [job]}]}
+
+    assert "empty Inductor cache <= 75 s" in pp.targets([run("fresh")])
+    kept_run = run("kept")
+    assert "Inductor cache <=" not in pp.targets([kept_run])
+    assert "(Inductor/Triton caches kept, 7 files at its start from earlier runs)" in pp.markdown(kept_run)
