@@ -3,6 +3,8 @@
 * the text encoder streamed from page-locked host memory encodes exactly like one held on the GPU, and holds only
   its small resident part on the GPU between uses;
 * the DiT built group by group on the GPU equals the fp8 conversion of the whole-file model;
+* that build (each block packed into one allocation) captured in CUDA graphs computes what its kernel-by-kernel
+  forwards do, replays with new inputs, and captures again after a LoRA-style in-place weight change;
 * under PyTorch's cudaMallocAsync allocator (ComfyUI's default where the driver supports it) CUDA graphs are not
   used, the reason is reported, and compiled forwards run;
 * a build that fails half-way leaves no GPU memory behind.
@@ -90,6 +92,45 @@ def test_dit_built_on_the_gpu_equals_the_whole_file_conversion(files):
         if x.dtype == torch.float8_e4m3fn:
             x, y = x.view(torch.uint8), y.view(torch.uint8)
         assert torch.equal(x, y), key
+
+
+def test_cuda_graphs_on_the_packed_build_match_kernel_by_kernel(files):
+    if torch.cuda.get_allocator_backend() != "native":
+        pytest.skip("CUDA graphs need PyTorch's native caching allocator")
+    from qwen_edit_hopper.qwen_edit.compile import warmup_inputs
+    from qwen_edit_hopper.qwen_edit.fast.prepared import PreparedDit
+    from qwen_edit_hopper.qwen_edit.fast_forward import fast_model_fn
+
+    dit = build_dit(DitSource(files), device="cuda", dtype=torch.bfloat16, fp8_config=FASTEST).module
+    block = dit.transformer_blocks[0]
+    storages = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *block.buffers()] if t.is_cuda}
+    assert len(storages) == 1  # the packed build: the block's tensors are views of one allocation
+    prepared = PreparedDit(dit)
+    first = warmup_inputs(dit, 128, 128, device="cuda")
+    second = {**first, "latents": torch.randn_like(first["latents"])}
+    with torch.no_grad():
+        plain = [fast_model_fn(prepared, **x, attention_backend="sdpa") for x in (first, second)]
+        state = prepared.enable_cuda_graphs()
+        try:
+            graphed = [fast_model_fn(prepared, **x, attention_backend="sdpa") for x in (first, second)]
+            assert state.captures == 1 and state.replays == 2, (state.captures, state.replays)
+            for g, p in zip(graphed, plain, strict=True):
+                assert (g.float() - p.float()).norm() <= 1e-3 * p.float().norm()
+            assert not torch.equal(graphed[0], graphed[1])  # the new latents went into the graph
+            # a weight changed in place inside the packed allocation (as a LoRA fuse writes): the graph reads it
+            codes = block.img_mlp.net[2].weight.data.view(torch.uint8)  # fp8 or bf16: zero bytes are zeros
+            saved = codes.clone()
+            codes.zero_()
+            try:
+                changed = fast_model_fn(prepared, **first, attention_backend="sdpa")
+                prepared.disable_cuda_graphs()
+                eager = fast_model_fn(prepared, **first, attention_backend="sdpa")
+                assert (changed.float() - eager.float()).norm() <= 1e-3 * eager.float().norm()
+                assert not torch.equal(changed, graphed[0])
+            finally:
+                codes.copy_(saved)
+        finally:
+            prepared.disable_cuda_graphs()
 
 
 def test_a_failed_build_leaves_no_gpu_memory(files):
