@@ -140,7 +140,7 @@ commands() {
     echo "  command: $2"
     echo "  carry:   [$(IFS=,; echo "${carry[*]}")]   ($(mib $total) MiB)"
   }
-  local base="pack server av" MODEL_JOB=comfy_model_fp8
+  local base="pack server av"
   echo; echo "(a) ComfyUI 0.3.75 with its defaults: three independent calls"
   for plan in v075-first-images v075-twenty v075-twenty-warm-cache v075-core; do
     echo "- $plan: $($HERE_PY bench/product_path.py plan $plan --field description)"
@@ -157,7 +157,7 @@ commands() {
   echo; echo "(c) The MODEL path against ComfyUI core's TorchCompileModel in one call: a first call compiles core's"
   echo "    prompt into caches kept on the machine (330-380 s), the second (within 30 s) runs both on one server"
   call "$base comfyui-0.3.75" "bash bench/product_path_device.sh run v075-model --dit bf16 --keep-caches --jobs core:compile --commit $commit"
-  call "$base comfyui-0.3.75" "bash bench/product_path_device.sh run v075-model --dit bf16 --keep-caches --jobs core:compile*2,free,${MODEL_JOB}*3,free,fastest*2 --commit $commit"
+  call "$base comfyui-0.3.75" "bash bench/product_path_device.sh run v075-model --dit bf16 --keep-caches --jobs core:compile*2,free,comfy_model_fp8*3,free,fastest*2 --commit $commit"
   echo; echo "(d) Several GPUs (kind nvidia-h200-x2 or larger): bench/parallel_bench.py with this set-up, e.g."
   call "$base comfyui-0.3.75" "bash bench/product_path_device.sh parallel --layouts 1,cfg2,u2"
   echo; echo "GPU test of this tool (tiny files through a GPU server):"

@@ -147,7 +147,6 @@ class SequenceShards:
         Returns:
             (B, s_img + s_txt, H * Dh): this rank's rows of the attention output, all heads.
         """
-
         p = self.degree
         b, s_local, heads, dh = q.shape
         if heads % p:
@@ -218,7 +217,6 @@ def _quantized_joint_attention(qkv8: torch.Tensor, descales: torch.Tensor, image
     """``fast.block.joint_attention`` on e4m3 codes: qkv8 (3, B, H, S, Dh) e4m3, descales (3, 1, 1, 1, 1) float32
     -> (B, S, H * Dh) e4m3 codes as uint8 in units of v's descale; per sample over its first ``image_tokens`` +
     its text tokens (``txt_lens``' size carriers), padded query rows zero."""
-
     q_scale, k_scale, v_scale = (d.reshape(1, 1, 1, 1) for d in descales)
 
     def attend(i: int, valid: int) -> torch.Tensor:

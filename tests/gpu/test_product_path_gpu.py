@@ -4,7 +4,8 @@
   its small resident part on the GPU between uses;
 * the DiT built group by group on the GPU equals the fp8 conversion of the whole-file model;
 * that build (each block packed into one allocation) captured in CUDA graphs computes what its kernel-by-kernel
-  forwards do, replays with new inputs, and captures again after a LoRA-style in-place weight change;
+  forwards do, replays with new inputs, and reads a weight changed in place inside that allocation (as a LoRA
+  fuse writes);
 * under PyTorch's cudaMallocAsync allocator (ComfyUI's default where the driver supports it) CUDA graphs are not
   used, the reason is reported, and compiled forwards run;
 * a build that fails half-way leaves no GPU memory behind.
