@@ -1214,14 +1214,16 @@ def targets(runs: list[dict[str, Any]]) -> str:
                     and (not plain or j["job"] in (name, f"{name}:vary"))
                     and (warm is None or j.get("first_on_server") is not warm)]
 
-        def newest(name: str, warm: bool | None = None, plain: bool = True, version: str = version
+        def newest(name: str, warm: bool | None = None, plain: bool = True, version: str = version,
+                   keep: Callable[[dict[str, Any], dict[str, Any]], bool] = lambda srv, j: True
                    ) -> tuple[list[dict[str, Any]], str]:
-            """:func:`of`'s jobs from the newest run of ``version`` that has any (the pack's build changes between
-            runs; its memory and times are those of the newest code measured), and that run's date and commit."""
+            """:func:`of`'s jobs (those ``keep(server, job)`` takes) from the newest run of ``version`` that has any
+            (the pack's build changes between runs; its memory and times are those of the newest code measured),
+            and that run's date and commit."""
             for run in sorted((r for r in runs if r["comfyui_version"] == version), key=lambda r: r["date"],
                               reverse=True):
                 picked = of(name, warm, plain, ok=[(srv, j) for srv in run["servers"] for j in srv["jobs"]
-                                                   if "skipped" not in j and j.get("ok")])
+                                                   if "skipped" not in j and j.get("ok") and keep(srv, j)])
                 if picked:
                     return picked, f" (newest run: {run['date'][:10]}, {run['commit'][:7]})"
             return [], ""
@@ -1234,8 +1236,7 @@ def targets(runs: list[dict[str, Any]]) -> str:
             rows.append(("20 fastest prompts in a row, new seeds and prompts: nothing lost, no crash",
                          f"{s['ok']} of {s['planned']} ok, server survived each: {_num(s['survived_all'])}",
                          "yes" if s["ok"] == s["planned"] and s["survived_all"] else "no"))
-        fastest, fastest_run = newest("fastest")
-        alone = [j for srv, j in ok if any(j is f for f in fastest) and not _after_comfy_loaders(srv, j)]
+        alone, fastest_run = newest("fastest", keep=lambda srv, j: not _after_comfy_loaders(srv, j))
         peak = max((j["gpu"]["peak_MiB"] for j in alone if (j.get("gpu") or {}).get("peak_MiB")), default=None)
         torch_peak = max((j["stages"]["torch_peak_GiB"] for j in alone if "torch_peak_GiB" in j["stages"]),
                          default=None)

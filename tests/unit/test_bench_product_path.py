@@ -299,6 +299,14 @@ def test_summary_and_table_of_a_run():
     assert "above the idle server (fastest prompts) | 7.02 GiB | yes |" in checks
     assert "the same during ComfyUI core nodes + FP8 prompts (ComfyUI's loaders keep the bf16 model in host " \
            "memory) | 7.00 GiB |" in checks
+    # a newer run whose fastest prompts all followed ComfyUI's loaders: the peak row keeps the older run's own
+    after_core = copy.deepcopy(results)
+    after_core.update(commit="cor", date="2026-11-30 10:00 UTC")
+    after_core["servers"][0]["jobs"] = [_job(1, "core", 35.0, 46 * 1024, 40.0, log={"s_per_step": 0.7}),
+                                        copy.deepcopy(late)]
+    checks = pp.targets([results, after_core])
+    assert "ComfyUI-loader prompt ran before it | 30.00 GiB;  GiB (newest run: 2026-11-26, abc) | no |" in checks
+    assert "queue to image <= 14.0 s (H100) | median 13.50 s (newest run: 2026-11-30, cor) | yes |" in checks
 
 
 def test_record_rewrites_the_cards_product_path_file(tmp_path):
