@@ -643,10 +643,21 @@ class Run:
     # -- bookkeeping
 
     def save(self) -> None:
+        """results.json and the running server's log so far, in ``--out``: a run stopped from outside (the device
+        call's limit) still leaves both behind."""
         self.results["summary"] = summarize(self.results)
         tmp = self.out / "results.json.tmp"
         tmp.write_text(json.dumps(self.results, indent=1) + "\n")
         tmp.replace(self.out / "results.json")
+        self.keep_server_log()
+
+    def keep_server_log(self) -> None:
+        """The current server's log (its last 2 MB) as ``--out``/server-N.log, N its place in the plan."""
+        if self.server is None:
+            return
+        with contextlib.suppress(OSError):
+            log = self.server.log_path.read_text(errors="replace")
+            (self.out / f"server-{len(self.results['servers'])}.log").write_text(log[-2_000_000:])
 
     def estimate(self, job: Job) -> float:
         first = job.kind != "free" and job.estimate_key not in self.loaded
@@ -722,9 +733,8 @@ class Run:
             record["returncode"] = process.returncode
         self.server.stop()
         self.sampler.pid = None
-        with contextlib.suppress(OSError):
-            log = self.server.log_path.read_text(errors="replace")
-            (self.out / f"server-{len(self.results['servers'])}.log").write_text(log[-2_000_000:])
+        self.keep_server_log()
+        self.server = None
 
     def alive(self) -> bool:
         if self.server is None or self.server.process is None or self.server.process.poll() is not None:

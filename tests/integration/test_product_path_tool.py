@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,27 @@ def test_a_deadline_too_short_skips_the_server_and_still_writes_results(tmp_path
           str(tmp_path / "out"), "--jobs", "fastest", "--tiny", "--cpu", "--deadline", "20", timeout=120)
     (server,) = json.loads((tmp_path / "out" / "results.json").read_text())["servers"]
     assert "skipped" in server and server["jobs"] == []
+
+
+def test_a_run_killed_after_its_first_prompt_leaves_its_results_and_the_servers_log(tmp_path: Path):
+    """The GPU machine's call limit kills the tool and its server at once: what ran so far is kept in --out."""
+    models, out = tmp_path / "models", tmp_path / "out"
+    (tmp_path / "w.json").write_text(json.dumps(write_all(models, size="tiny", loras=(), device="cpu")))
+    tool = subprocess.Popen(
+        [sys.executable, "bench/product_path.py", "run", "--comfyui", str(COMFYUI_DIR), "--models", str(models),
+         "--out", str(out), "--work", str(tmp_path / "work"), "--jobs", "low_vram*3", "--tiny", "--cpu",
+         "--deadline", "900", "--written", str(tmp_path / "w.json")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    printed = []
+    try:
+        for line in tool.stdout:
+            printed.append(line)
+            if line.startswith("  ok=True"):  # the first prompt's line: kill the tool and its server together
+                break
+    finally:
+        os.killpg(tool.pid, signal.SIGKILL)
+        tool.wait(timeout=60)
+    assert any(line.startswith("  ok=True") for line in printed), "".join(printed)[-4000:]
+    (server,) = json.loads((out / "results.json").read_text())["servers"]
+    assert [job["job"] for job in server["jobs"]] == ["low_vram"] and server["jobs"][0]["ok"]
+    assert (out / "server-1.log").read_text().count("Prompt executed in") == 1
