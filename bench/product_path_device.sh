@@ -149,11 +149,13 @@ commands() {
   echo; echo "(b) ComfyUI 0.33.0: comfy-kitchen kept on the machine and the files written first, then calls back to"
   echo "    back (each within 30 s of the last; a call that finds no kept archive stops at once and says so; one"
   echo "    that finds no files writes them)"
-  call "kitchen pack" "bash bench/product_path_device.sh stash && bash bench/product_path_device.sh files"
+  call "kitchen pack" "bash bench/product_path_device.sh stash && bash bench/product_path_device.sh files [--dit bf16]"
   for plan in v033-defaults v033-no-dynamic-vram v033-core; do
     echo "- $plan: $($HERE_PY bench/product_path.py plan $plan --field description)"
     call "$base comfyui-0.33.0" "bash bench/product_path_device.sh run $plan --commit $commit"
   done
+  echo "- v033-model: the MODEL path under dynamic VRAM, then the pack's fastest (files written with --dit bf16)"
+  call "$base comfyui-0.33.0" "bash bench/product_path_device.sh run v033-model --dit bf16 --jobs comfy_model_fp8*3,free,fastest*2 --commit $commit"
   echo; echo "(c) The MODEL path against ComfyUI core's TorchCompileModel in one call: a first call compiles core's"
   echo "    prompt into caches kept on the machine (330-380 s), the second (within 30 s) runs both on one server"
   call "$base comfyui-0.3.75" "bash bench/product_path_device.sh run v075-model --dit bf16 --keep-caches --jobs core:compile --commit $commit"
