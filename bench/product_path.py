@@ -1238,13 +1238,13 @@ def targets(runs: list[dict[str, Any]]) -> str:
                     return picked, f" (newest run: {run['date'][:10]}, {run['commit'][:7]})"
             return [], ""
 
-        summaries = [summarize(r) for r in runs if r["comfyui_version"] == version]
-        series = [s for sm in summaries for s in sm["series"] if s["series"].startswith("fastest:vary") and
-                  s["planned"] >= 20]
+        series = [{**s, "run": f" ({r['date'][:10]}, {r['commit'][:7]})"}  # each 20-prompt series, its run named
+                  for r in sorted(runs, key=lambda r: r["date"]) if r["comfyui_version"] == version
+                  for s in summarize(r)["series"] if s["series"].startswith("fastest:vary") and s["planned"] >= 20]
         rows: list[tuple[str, str, str]] = []
         for s in series:
             rows.append(("20 fastest prompts in a row, new seeds and prompts: nothing lost, no crash",
-                         f"{s['ok']} of {s['planned']} ok, server survived each: {_num(s['survived_all'])}",
+                         f"{s['ok']} of {s['planned']} ok, server survived each: {_num(s['survived_all'])}{s['run']}",
                          "yes" if s["ok"] == s["planned"] and s["survived_all"] else "no"))
         alone, fastest_run = newest("fastest", keep=lambda srv, j: not _after_comfy_loaders(srv, j))
         peak = max((j["gpu"]["peak_MiB"] for j in alone if (j.get("gpu") or {}).get("peak_MiB")), default=None)
@@ -1302,7 +1302,8 @@ def targets(runs: list[dict[str, Any]]) -> str:
         for s in series:
             growth = max(abs(g) for g in (s["gpu_held_growth_pct"] or 0, s["anon_growth_pct"] or 0))
             rows.append(("growth over 20 prompts <= 2% (GPU held; host anonymous)",
-                         f"{_num(s['gpu_held_growth_pct'])}%; {_num(s['anon_growth_pct'])}%", _check(growth, 2.0)))
+                         f"{_num(s['gpu_held_growth_pct'])}%; {_num(s['anon_growth_pct'])}%{s['run']}",
+                         _check(growth, 2.0)))
         dated = sorted(((r["date"], r["commit"][:7], summarize(r)["servers"]) for r in runs
                         if r["comfyui_version"] == version), key=lambda d: d[0])
         for caches, limit, label in (("fresh", 75.0, "empty"), ("reuse", 40.0, "warm")):

@@ -309,6 +309,30 @@ def test_summary_and_table_of_a_run():
     assert "queue to image <= 14.0 s (H100) | median 13.50 s (newest run: 2026-11-30, cor) | yes |" in checks
 
 
+def test_each_twenty_prompt_series_row_names_its_run():
+    def run(commit, date, held_growth):
+        jobs = [_job(1 + i, "fastest:vary", 14.0, 20480 + (held_growth if i == 19 else 0), 8.0,
+                     series="fastest:vary*20", first_on_server=i == 0) for i in range(20)]
+        return {"plan": "p", "description": "d", "date": date, "commit": commit, "comfyui_version": "0.3.75",
+                "sizes": "full", "device": "gpu", "card": {"name": "NVIDIA H200", "memory": "1", "driver": "1"},
+                "files": {"dit": "d", "text_encoder": "t", "vae": "v"},
+                "servers": [{"label": "twenty", "caches": "fresh", "start_s": 15.0, "restarts": [],
+                             "idle": {"gpu_MiB": 500, "anon_GiB": 0.5}, "alive_at_end": True, "jobs": jobs}]}
+
+    checks = pp.targets([run("bbb2222", "2026-11-28 10:00 UTC", 1024), run("aaa1111", "2026-11-27 10:00 UTC", 0)])
+    rows = [line for line in checks.splitlines() if "20 prompts" in line or "20 fastest prompts" in line]
+    assert rows == [
+        "| 0.3.75 | 20 fastest prompts in a row, new seeds and prompts: nothing lost, no crash | 20 of 20 ok, server "
+        "survived each: yes (2026-11-27, aaa1111) | yes |",
+        "| 0.3.75 | 20 fastest prompts in a row, new seeds and prompts: nothing lost, no crash | 20 of 20 ok, server "
+        "survived each: yes (2026-11-28, bbb2222) | yes |",
+        "| 0.3.75 | growth over 20 prompts <= 2% (GPU held; host anonymous) | 0.00%; 0.00% (2026-11-27, aaa1111) "
+        "| yes |",
+        "| 0.3.75 | growth over 20 prompts <= 2% (GPU held; host anonymous) | 5.00%; 0.00% (2026-11-28, bbb2222) "
+        "| no |",
+    ], rows
+
+
 def test_record_rewrites_the_cards_product_path_file(tmp_path):
     results = {"plan": "p", "description": "d", "date": "2026-11-26 10:00 UTC", "commit": "abc",
                "comfyui_version": "0.33.0", "sizes": "full", "device": "gpu",
