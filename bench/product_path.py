@@ -220,6 +220,12 @@ PLANS: dict[str, Plan] = {
                                  "then the pack's fastest x2 on the same card"),
     "v075-model": _model_path_plan("0.3.75"),
     "v033-model": _model_path_plan("0.33.0"),
+    "v033-model-vram": Plan("0.33.0", (
+        ServerSpec("no-dynamic-vram", f"{MODEL_PATH}*2,free,fastest", args=("--disable-dynamic-vram",)),
+        ServerSpec("dynamic-vram", f"{MODEL_PATH}*2,free,fastest"),
+    ), description="0.33.0, the bf16 DiT (--dit bf16): the same graph with Apply TE-FP8 and Compile Model on its "
+                   "MODEL x2, /free, then the pack's fastest, first with --disable-dynamic-vram, then with dynamic "
+                   "VRAM (0.33's default)"),
     "tiny-smoke": Plan("any", (
         ServerSpec("smoke", "low_vram,free,lora_fused"),
     ), description="two workflows without compilation (the CPU test)"),
@@ -766,6 +772,8 @@ class Run:
             record.update(ok=True, seconds=round(after - t0, 2), gpu=self.sampler.gpu_window(t0, after, after),
                           host=self.sampler.anon_window(t0, after, after))
             self.loaded.clear()
+            with contextlib.suppress(Exception):  # what PyTorch's allocator holds: live tensors or its cache
+                record["torch_after"] = torch_memory(self.server.get("/system_stats", timeout=10).json())
             record["survived"] = self.alive()
             return record
         self.seed = int(job.options["seed"]) if job.options.get("seed") else self.seed + 1
@@ -927,6 +935,17 @@ def _shown_arg(arg: str) -> str:
     return f".../{Path(arg).name}" if arg.startswith("/") else arg
 
 
+def torch_memory(system_stats: dict[str, Any]) -> dict[str, float] | None:
+    """PyTorch's memory on the server's first CUDA device from ComfyUI's ``/system_stats`` (its ``torch_vram_total``
+    is what the allocator reserved, ``torch_vram_free`` the reserved part no tensor uses): ``allocated_MiB`` (live
+    tensors) and ``reserved_MiB``; None without a CUDA device."""
+    for device in system_stats.get("devices", []):
+        if device.get("type") == "cuda":
+            reserved, unused = device["torch_vram_total"], device["torch_vram_free"]
+            return {"allocated_MiB": round((reserved - unused) / 2**20, 1), "reserved_MiB": round(reserved / 2**20, 1)}
+    return None
+
+
 def _gib(mib: float | None) -> float | None:
     return None if mib is None else round(mib / 1024, 2)
 
@@ -1065,9 +1084,12 @@ def markdown(results: dict[str, Any], heading: str = "###") -> str:
                 if st.get("cuda_graphs"):
                     note = f"CUDA graphs: {st['cuda_graphs'][:100]}"
             if job["job"].startswith("free") and "skipped" not in job:
+                torch_after = job.get("torch_after") or {}
+                torch_held = (f"{_num(_gib(torch_after['allocated_MiB']))} / {_num(_gib(torch_after['reserved_MiB']))}"
+                              " (allocated / reserved)" if torch_after else "")
                 lines.append(f"| {server['label']} | {job['n']} | free | {_num(job.get('ok'))} | "
-                             f"{_num(job.get('seconds'))} | | | | | | held {_num(_gib(gpu.get('held_MiB')))} | | "
-                             f"after {_num(host.get('after_GiB'))} | |")
+                             f"{_num(job.get('seconds'))} | | | | | | held {_num(_gib(gpu.get('held_MiB')))} | "
+                             f"{torch_held} | after {_num(host.get('after_GiB'))} | |")
                 continue
             step = st.get("s_per_step") or log.get("s_per_step")
             encode = _num(st.get("encode_s")) + (" (cached)" if st.get("encode_cached") else "")

@@ -154,8 +154,8 @@ commands() {
     echo "- $plan: $($HERE_PY bench/product_path.py plan $plan --field description)"
     call "$base comfyui-0.33.0" "bash bench/product_path_device.sh run $plan --commit $commit"
   done
-  echo "- v033-model: the MODEL path under dynamic VRAM, then the pack's fastest (files written with --dit bf16)"
-  call "$base comfyui-0.33.0" "bash bench/product_path_device.sh run v033-model --dit bf16 --jobs comfy_model_fp8*3,free,fastest*2 --commit $commit"
+  echo "- v033-model-vram: $($HERE_PY bench/product_path.py plan v033-model-vram --field description)"
+  call "$base comfyui-0.33.0" "bash bench/product_path_device.sh run v033-model-vram --dit bf16 --commit $commit"
   echo; echo "(c) The MODEL path against ComfyUI core's TorchCompileModel in one call: a first call compiles core's"
   echo "    prompt into caches kept on the machine (330-380 s), the second (within 30 s) runs both on one server"
   call "$base comfyui-0.3.75" "bash bench/product_path_device.sh run v075-model --dit bf16 --keep-caches --jobs core:compile --commit $commit"

@@ -309,6 +309,27 @@ def test_summary_and_table_of_a_run():
     assert "queue to image <= 14.0 s (H100) | median 13.50 s (newest run: 2026-11-30, cor) | yes |" in checks
 
 
+def test_a_free_job_shows_what_pytorch_still_holds_after_it():
+    cuda = {"devices": [{"name": "cuda:0 NVIDIA H200 : cudaMallocAsync", "type": "cuda", "index": 0,
+                         "vram_total": 150 * 2**30, "vram_free": 120 * 2**30,
+                         "torch_vram_total": 28 * 2**30, "torch_vram_free": 8 * 2**30}]}
+    assert pp.torch_memory(cuda) == {"allocated_MiB": 20480.0, "reserved_MiB": 28672.0}
+    assert pp.torch_memory({"devices": [{"name": "cpu", "type": "cpu", "torch_vram_total": 1,
+                                         "torch_vram_free": 1}]}) is None
+    free = {"n": 2, "job": "free", "series": "free", "index": 0, "ok": True, "seconds": 3.0,
+            "gpu": {"held_MiB": 28 * 1024}, "host": {"after_GiB": 5.0}, "survived": True,
+            "torch_after": pp.torch_memory(cuda)}
+    results = {"plan": "p", "description": "d", "date": "2026-11-28 10:00 UTC", "commit": "abc",
+               "comfyui_version": "0.33.0", "sizes": "full", "device": "gpu",
+               "card": {"name": "NVIDIA H200", "memory": "1", "driver": "1"},
+               "files": {"dit": "d", "text_encoder": "t", "vae": "v"},
+               "servers": [{"label": "s", "caches": "fresh", "start_s": 15.0, "restarts": [], "alive_at_end": True,
+                            "idle": {"gpu_MiB": 500, "anon_GiB": 0.5}, "jobs": [free]}]}
+    results["summary"] = pp.summarize(results)
+    assert "| s | 2 | free | yes | 3.00 | | | | | | held 28.00 | 20.00 / 28.00 (allocated / reserved) | after 5.00 " \
+           "| |" in pp.markdown(results)
+
+
 def test_each_twenty_prompt_series_row_names_its_run():
     def run(commit, date, held_growth):
         jobs = [_job(1 + i, "fastest:vary", 14.0, 20480 + (held_growth if i == 19 else 0), 8.0,
