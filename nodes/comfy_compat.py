@@ -11,7 +11,9 @@ Nothing else in the pack looks at ComfyUI's version; each difference below names
   ``--disable-dynamic-vram``). The pack's models stay plain ModelPatchers (``comfy_memory``), never
   ``ModelPatcherDynamic``: ComfyUI does not stream or offload their weights, and unloading one evicts it, as on
   0.3.75. The diagnosis reports the state (:func:`diagnosis_lines`), because comfy-aimdo hooks the CUDA
-  driver's allocation calls for the whole process.
+  driver's allocation calls for the whole process. A ComfyUI MODEL that Apply TE-FP8 takes stays ComfyUI's own
+  patcher: under dynamic VRAM ComfyUI loads it again at every prompt, copying its fp8 layers to the GPU each
+  time, which the node says (:func:`dynamic_patcher`).
 
 This module imports nothing from ComfyUI at import time, so scripts/diagnose.py can use it outside ComfyUI.
 """
@@ -55,6 +57,12 @@ def dynamic_vram_enabled() -> bool:
     """True when ComfyUI runs with dynamic VRAM (0.33.0: ``comfy.memory_management.aimdo_enabled``; 0.3.75: never)."""
     memory_management = sys.modules.get("comfy.memory_management")
     return bool(getattr(memory_management, "aimdo_enabled", False))
+
+
+def dynamic_patcher(model) -> bool:
+    """Whether ComfyUI MODEL ``model`` is loaded by dynamic VRAM (0.33.0's ``ModelPatcherDynamic``, whose
+    ``is_dynamic()`` is True; 0.3.75's patchers have no such method)."""
+    return bool(getattr(model, "is_dynamic", lambda: False)())
 
 
 def diagnosis_lines(comfyui_dir: Path | None = None) -> list:

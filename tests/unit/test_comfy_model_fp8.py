@@ -260,3 +260,20 @@ def test_the_fp8_copy_goes_when_comfyui_lets_its_base_go(comfy):
     gc.collect()
     assert gone() is None and copy() is None  # neither the bf16 base nor its fp8 copy stays in memory
     assert len(_COPIES) == entries - 1
+
+
+def test_the_report_names_dynamic_vram_only_where_comfyui_loads_the_model_with_it(comfy):
+    from qwen_edit_hopper.nodes.apply_fp8 import ApplyFP8, dynamic_vram_line
+    from qwen_edit_hopper.nodes.comfy_compat import dynamic_patcher
+    from qwen_edit_hopper.nodes.comfy_model.fp8_model import fp8_model
+
+    base = _patcher(comfy)
+    assert not dynamic_patcher(base)  # a CPU load device: a plain ModelPatcher on 0.33.0 too
+    widgets = {"backend": "scaled_mm_rowwise", "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
+               "amax_compute_algo": "max", "layers": "attn+mlp", "modulation": "fp8 storage"}
+    report = ApplyFP8.execute(**widgets, where_unsupported="emulate", model=base).args[1]
+    assert "dynamic VRAM" not in report
+    module = fp8_model(base, _config())[1].module
+    stored = sum(t.numel() * t.element_size() for t in module.buffers())
+    line = dynamic_vram_line(module)
+    assert f"({stored / 2**30:.1f} GiB)" in line and "--disable-dynamic-vram" in line
