@@ -878,6 +878,11 @@ class Run:
                         print(f"skip {job.label}: {self.deadline.left():.0f} s left, needs ~{need:.0f}", flush=True)
                         self.save()
                         continue
+                    # in the results until it ends: a run stopped from outside shows the prompt it stopped in
+                    record["jobs"].append({"n": number, "job": job.label, "series": job.series, "index": job.index,
+                                           "ok": False, "unfinished": True, "stages": {},
+                                           "error": "unfinished: the run stopped while this prompt ran"})
+                    self.save()
                     print(f"[{spec.label} {number}] {job.label} ({self.deadline.left():.0f} s left)", flush=True)
                     try:
                         result = self.run_job(job, number)
@@ -885,7 +890,7 @@ class Run:
                         result = {"n": number, "job": job.label, "series": job.series, "index": job.index,
                                   "ok": False, "error": f"{type(exc).__name__}: {exc}"[-3000:], "stages": {},
                                   "survived": self.alive()}
-                    record["jobs"].append(result)
+                    record["jobs"][-1] = result
                     self.save()
                     print("  " + one_line(result), flush=True)
                     if not result.get("ok"):
@@ -1001,7 +1006,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                                              default=None)),
                 "anon_after_first_GiB": anon[0], "anon_after_last_GiB": anon[-1],
                 "anon_growth_pct": _growth(anon[0], anon[-1]),
-                "survived_all": all(j.get("survived") for j in ran),
+                "survived_all": all(j.get("survived") for j in ran if not j.get("unfinished")),
             })
         for job in jobs:
             if "lora=" in job["job"] or "strength=" in job["job"]:

@@ -18,6 +18,7 @@ from fixtures_models import empty_full_size_names
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 from full_size_files import write_all  # noqa: E402
+from product_path import markdown, summarize  # noqa: E402
 
 
 def _tool(*args: str, timeout: float, python: Path | str = sys.executable,
@@ -87,12 +88,19 @@ def test_a_run_killed_after_its_first_prompt_leaves_its_results_and_the_servers_
     try:
         for line in tool.stdout:
             printed.append(line)
-            if line.startswith("  ok=True"):  # the first prompt's line: kill the tool and its server together
+            if line.startswith("[jobs 2]"):  # the second prompt has begun: kill the tool and its server together
                 break
     finally:
         os.killpg(tool.pid, signal.SIGKILL)
         tool.wait(timeout=60)
     assert any(line.startswith("  ok=True") for line in printed), "".join(printed)[-4000:]
     (server,) = json.loads((out / "results.json").read_text())["servers"]
-    assert [job["job"] for job in server["jobs"]] == ["low_vram"] and server["jobs"][0]["ok"]
+    first, second = server["jobs"]
+    assert first["job"] == second["job"] == "low_vram" and first["ok"] and "unfinished" not in first
+    assert second["unfinished"] and not second["ok"] and second["error"].startswith("unfinished")
     assert (out / "server-1.log").read_text().count("Prompt executed in") == 1
+    results = json.loads((out / "results.json").read_text())
+    results["summary"] = summarize(results)
+    (series,) = results["summary"]["series"]
+    assert (series["ok"], series["failed"], series["survived_all"]) == (1, 1, True)
+    assert "| jobs | 2 | low_vram | no |" in markdown(results) and "unfinished: the run stopped" in markdown(results)
