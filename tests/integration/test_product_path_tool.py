@@ -5,8 +5,10 @@ stages, host memory, survival), as it does at full size on the GPU machine."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +95,10 @@ def test_a_run_killed_after_its_first_prompt_leaves_its_results_and_the_servers_
     finally:
         os.killpg(tool.pid, signal.SIGKILL)
         tool.wait(timeout=60)
+        # the server runs in a session of its own ("ready in ... (pid N)"); the device machine ends with the call
+        for pid in re.findall(r"ready in [\d.]+ s \(pid (\d+)\)", "".join(printed)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(pid), signal.SIGKILL)
     assert any(line.startswith("  ok=True") for line in printed), "".join(printed)[-4000:]
     (server,) = json.loads((out / "results.json").read_text())["servers"]
     first, second = server["jobs"]
