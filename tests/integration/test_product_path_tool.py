@@ -95,7 +95,7 @@ def test_a_run_killed_after_its_first_prompt_leaves_its_results_and_the_servers_
     finally:
         os.killpg(tool.pid, signal.SIGKILL)
         tool.wait(timeout=60)
-        # the server runs in a session of its own ("ready in ... (pid N)"); the device machine ends with the call
+        # the server runs in a process group of its own ("ready in ... (pid N)"); the device machine ends with the call
         for pid in re.findall(r"ready in [\d.]+ s \(pid (\d+)\)", "".join(printed)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(int(pid), signal.SIGKILL)
