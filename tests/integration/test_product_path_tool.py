@@ -100,12 +100,12 @@ def test_a_run_killed_after_its_first_prompt_leaves_its_results_and_the_servers_
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(int(pid), signal.SIGKILL)
     assert any(line.startswith("  ok=True") for line in printed), "".join(printed)[-4000:]
-    (server,) = json.loads((out / "results.json").read_text())["servers"]
+    results = json.loads((out / "results.json").read_text())
+    (server,) = results["servers"]
     first, second = server["jobs"]
     assert first["job"] == second["job"] == "low_vram" and first["ok"] and "unfinished" not in first
     assert second["unfinished"] and not second["ok"] and second["error"].startswith("unfinished")
     assert (out / "server-1.log").read_text().count("Prompt executed in") == 1
-    results = json.loads((out / "results.json").read_text())
     results["summary"] = summarize(results)
     (series,) = results["summary"]["series"]
     assert (series["ok"], series["failed"], series["survived_all"]) == (1, 1, True)
