@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "scripts"))
+from comfy_calls import sampler_model_options  # noqa: E402
 from profile_forward import category  # noqa: E402
 from test_checkpoints_support import comfy as import_comfy  # noqa: E402
 
@@ -59,14 +60,8 @@ def _model(comfy):
 def _call(comfy, patcher, inputs, repeats=5):
     """Median ms of one ``apply_model`` call with the transformer options KSampler passes: the MODEL's own, plus its
     wrappers and callbacks (``comfy.sampler_helpers.prepare_model_patcher``; without them no compile wrapper runs)."""
-    import comfy.patcher_extension
-
     comfy.model_management.load_models_gpu([patcher])
-    options = comfy.model_patcher.create_model_options_clone(patcher.model_options).setdefault("transformer_options",
-                                                                                               {})
-    comfy.patcher_extension.merge_nested_dicts(options.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
-    comfy.patcher_extension.merge_nested_dicts(options.setdefault("callbacks", {}), patcher.callbacks,
-                                               copy_dict1=False)
+    options = sampler_model_options(patcher)["transformer_options"]
     model = patcher.model
     with torch.inference_mode():
         out = model.apply_model(**inputs, transformer_options=options).float()
@@ -157,11 +152,8 @@ def _step(comfy, patcher, conds, x, t, repeats=5):
     import comfy.samplers
 
     comfy.model_management.load_models_gpu([patcher])
-    model_options = comfy.model_patcher.create_model_options_clone(patcher.model_options)
-    options = model_options.setdefault("transformer_options", {})
-    comfy.patcher_extension.merge_nested_dicts(options.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
-    comfy.patcher_extension.merge_nested_dicts(options.setdefault("callbacks", {}), patcher.callbacks,
-                                               copy_dict1=False)
+    model_options = sampler_model_options(patcher)
+    options = model_options["transformer_options"]
     patcher.pre_run()
     batches = []
     model = patcher.model

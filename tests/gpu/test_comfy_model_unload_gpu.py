@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 sys.path.insert(0, str(ROOT / "scripts"))
+from comfy_calls import sampler_model_options  # noqa: E402
 from test_checkpoints_support import comfy as import_comfy  # noqa: E402
 
 pytestmark = [
@@ -71,14 +72,8 @@ def _inputs():
 
 def _run_once(comfy, patcher, inputs) -> None:
     """One ``apply_model`` call with the options KSampler passes (the MODEL's wrappers and callbacks)."""
-    import comfy.patcher_extension
-
     comfy.model_management.load_models_gpu([patcher])
-    options = comfy.model_patcher.create_model_options_clone(patcher.model_options).setdefault("transformer_options",
-                                                                                               {})
-    comfy.patcher_extension.merge_nested_dicts(options.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
-    comfy.patcher_extension.merge_nested_dicts(options.setdefault("callbacks", {}), patcher.callbacks,
-                                               copy_dict1=False)
+    options = sampler_model_options(patcher)["transformer_options"]
     with torch.inference_mode():
         patcher.model.apply_model(**inputs, transformer_options=options)
     torch.cuda.synchronize()

@@ -64,6 +64,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from comfy_calls import sampler_model_options  # noqa: E402
 from test_checkpoints_support import comfy as import_comfy  # noqa: E402
 
 pytestmark = [
@@ -226,15 +227,9 @@ def _comfy_velocity(comfy, patcher, shared: SharedInputs) -> tuple[torch.Tensor,
     ``apply_model`` call with the transformer options KSampler passes (the MODEL's own plus its wrappers and
     callbacks, as ``comfy.sampler_helpers.prepare_model_patcher`` adds them; without them no compile wrapper runs).
     ComfyUI's flow models return x - sigma * v."""
-    import comfy.patcher_extension
-
     inputs = _comfy_call_inputs(shared)
     comfy.model_management.load_models_gpu([patcher])
-    options = comfy.model_patcher.create_model_options_clone(patcher.model_options).setdefault("transformer_options",
-                                                                                               {})
-    comfy.patcher_extension.merge_nested_dicts(options.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
-    comfy.patcher_extension.merge_nested_dicts(options.setdefault("callbacks", {}), patcher.callbacks,
-                                               copy_dict1=False)
+    options = sampler_model_options(patcher)["transformer_options"]
     with torch.inference_mode():
         denoised = patcher.model.apply_model(**inputs, transformer_options=options).float()
     comfy.model_management.unload_all_models()
