@@ -64,7 +64,7 @@ def test_every_format_is_checked_on_the_device(dtype):
 @pytest.mark.slow
 def test_check_cost_against_the_load(tmp_path):
     """Six full-width blocks (about 4 GB): the figures are printed, not asserted (speed is not a test)."""
-    import product_path as integrity
+    from productpath import integrity
 
     path = integrity.write_synthetic_dit(tmp_path / "dit.safetensors", blocks=6)
     record = integrity.measure_integrity([path], "cuda", repeats=3)

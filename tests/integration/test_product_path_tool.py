@@ -20,7 +20,7 @@ from fixtures_models import empty_full_size_names
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 from full_size_files import write_all  # noqa: E402
-from product_path import markdown, summarize  # noqa: E402
+from productpath.record import markdown, summarize  # noqa: E402
 
 
 def _tool(*args: str, timeout: float, python: Path | str = sys.executable,

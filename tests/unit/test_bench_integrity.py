@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import product_path as integrity
+from productpath import integrity
 from test_checkpoints_support import tiny
 
 

@@ -19,10 +19,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import full_size_files  # noqa: E402
 import product_path as pp  # noqa: E402
+from productpath import logs, plans, prompts, sampling  # noqa: E402
+from productpath import record as records  # noqa: E402
 from qwen_edit_hopper.qwen_edit.tiny import write_tiny_checkpoints  # noqa: E402
 
 TOKENIZER = COMFYUI_DIR / "comfy" / "text_encoders" / "qwen25_tokenizer"
-FILES = pp.ModelFiles("dit.safetensors", "te.safetensors", "vae.safetensors",
+FILES = prompts.ModelFiles("dit.safetensors", "te.safetensors", "vae.safetensors",
                       {4: "lightning4.safetensors", 8: "lightning8.safetensors"})
 
 
@@ -87,23 +89,23 @@ def test_the_same_seed_writes_the_same_bytes(tmp_path):
 
 
 def test_job_specs_expand_and_bad_ones_are_named():
-    jobs = pp.parse_jobs("fastest*3, lightning:lora=8,free,core:compile*2")
+    jobs = plans.parse_jobs("fastest*3, lightning:lora=8,free,core:compile*2")
     assert [j.label for j in jobs] == ["fastest"] * 3 + ["lightning_4step:lora=8", "free", "core:compile"] * 1 + [
         "core:compile"]
     assert [j.index for j in jobs[:3]] == [0, 1, 2] and jobs[0].series == "fastest*3"
     assert jobs[3].estimate_key == "lora_change" and jobs[5].estimate_key == "core:compile"
     with pytest.raises(ValueError, match="unknown name 'fastset'"):
-        pp.parse_jobs("fastset")
+        plans.parse_jobs("fastset")
     with pytest.raises(ValueError, match="unknown option 'grpahs'"):
-        pp.parse_jobs("fastest:grpahs=off")
-    for plan in pp.PLANS.values():
+        plans.parse_jobs("fastest:grpahs=off")
+    for plan in plans.PLANS.values():
         for server in plan.servers:
-            assert pp.parse_jobs(server.jobs)
+            assert plans.parse_jobs(server.jobs)
 
 
 def test_shipped_prompt_takes_the_written_files_seed_text_and_lora():
-    job = pp.parse_jobs("lightning:lora=8:strength=0.5")[0]
-    prompt = pp.shipped_prompt(job, FILES, seed=7, text="make it blue", tiny=False)
+    job = plans.parse_jobs("lightning:lora=8:strength=0.5")[0]
+    prompt = prompts.shipped_prompt(job, FILES, seed=7, text="make it blue", tiny=False)
     nodes = {n["class_type"]: n["inputs"] for n in prompt.values()}
     assert nodes["QwenEditHopper_Load"]["diffusion_model"] == "dit.safetensors"
     assert nodes["QwenEditHopper_Load"]["text_encoder"] == "te.safetensors"
@@ -111,21 +113,22 @@ def test_shipped_prompt_takes_the_written_files_seed_text_and_lora():
                                                 "lora_name": "lightning8.safetensors", "strength": 0.5}
     assert nodes["QwenEditHopper_Sampler"]["seed"] == 7 and nodes["QwenEditHopper_Sampler"]["prompt"] == "make it blue"
     assert nodes["QwenEditHopper_Sampler"]["steps"] == 4  # the workflow's own
-    fastest = pp.shipped_prompt(pp.parse_jobs("fastest:graphs=off")[0], FILES, seed=1, text=None, tiny=True)
+    fastest = prompts.shipped_prompt(plans.parse_jobs("fastest:graphs=off")[0], FILES, seed=1, text=None, tiny=True)
     nodes = {n["class_type"]: n["inputs"] for n in fastest.values()}
     assert nodes["QwenEditHopper_Compile"]["cuda_graphs"] is False
-    assert nodes["QwenEditHopper_Sampler"]["steps"] == pp.TINY_STEPS
-    assert nodes["QwenEditHopper_Sampler"]["width"] == pp.TINY_SIZE
-    assert nodes["QwenEditHopper_Sampler"]["prompt"] == pp.PROMPT
+    assert nodes["QwenEditHopper_Sampler"]["steps"] == prompts.TINY_STEPS
+    assert nodes["QwenEditHopper_Sampler"]["width"] == prompts.TINY_SIZE
+    assert nodes["QwenEditHopper_Sampler"]["prompt"] == prompts.PROMPT
 
 
 def test_the_model_path_workflow_takes_the_written_files_seed_and_text():
-    prompt = pp.shipped_prompt(pp.parse_jobs(pp.MODEL_PATH)[0], FILES, seed=9, text="make it blue", tiny=True)
+    job = plans.parse_jobs(plans.MODEL_PATH)[0]
+    prompt = prompts.shipped_prompt(job, FILES, seed=9, text="make it blue", tiny=True)
     nodes = {n["class_type"]: n["inputs"] for n in prompt.values()}
     assert nodes["UNETLoader"]["unet_name"] == "dit.safetensors" and nodes["VAELoader"]["vae_name"] == "vae.safetensors"
     assert nodes["CLIPLoader"]["clip_name"] == "te.safetensors"
     sampler = nodes["KSampler"]
-    assert sampler["seed"] == 9 and sampler["steps"] == pp.TINY_STEPS
+    assert sampler["seed"] == 9 and sampler["steps"] == prompts.TINY_STEPS
     assert prompt[sampler["positive"][0]]["inputs"]["prompt"] == "make it blue"
     assert prompt[sampler["negative"][0]]["inputs"]["prompt"] == ""
 
@@ -138,20 +141,20 @@ def test_a_model_path_plan_on_fp8_files_is_refused_before_any_server(tmp_path):
     models = empty_full_size_names(tmp_path / "models")
     args = argparse.Namespace(out=tmp_path / "out", work=tmp_path / "work", deadline=None, models=models)
     with pytest.raises(SystemExit, match=r"qwen_image_edit_2509_fp8_e4m3fn\.safetensors: write the bf16 DiT"):
-        pp.Run(args, "v075-model", pp.PLANS["v075-model"])
+        pp.Run(args, "v075-model", plans.PLANS["v075-model"])
     assert not (tmp_path / "out").exists()
 
 
 def test_core_prompt_follows_the_servers_inputs():
-    job = pp.parse_jobs("core:compile")[0]
-    old = pp.core_prompt(job, FILES, 3, "edit", False, {"ImageScaleToTotalPixels": {"input": {"required": {}}}})
-    new = pp.core_prompt(job, FILES, 3, "edit", False,
+    job = plans.parse_jobs("core:compile")[0]
+    old = prompts.core_prompt(job, FILES, 3, "edit", False, {"ImageScaleToTotalPixels": {"input": {"required": {}}}})
+    new = prompts.core_prompt(job, FILES, 3, "edit", False,
                          {"ImageScaleToTotalPixels": {"input": {"required": {}, "optional": {"resolution_steps": []}}}})
     assert "resolution_steps" not in old["2"]["inputs"] and new["2"]["inputs"]["resolution_steps"] == 1
     assert old["13"]["class_type"] == "TorchCompileModel" and old["6"]["inputs"]["model"] == ["13", 0]
     assert old["10"]["inputs"] | {"seed": 3, "steps": 40, "cfg": 4.0, "sampler_name": "euler"} == old["10"]["inputs"]
     assert old["6"]["inputs"]["shift"] == 3.1 and old["4"]["inputs"]["type"] == "qwen_image"
-    assert "13" not in pp.core_prompt(pp.parse_jobs("core")[0], FILES, 3, "edit", False, {})
+    assert "13" not in prompts.core_prompt(plans.parse_jobs("core")[0], FILES, 3, "edit", False, {})
 
 
 def test_the_samplers_report_and_the_server_log_are_read():
@@ -162,19 +165,19 @@ def test_the_samplers_report_and_the_server_log_are_read():
         "compiled: first step 28.10 s (includes any compile), graphs compiled this run: 2",
         "CUDA graphs: on (one whole-forward graph per shape)",
         "GPU memory (PyTorch's allocator): peak 26.31 GiB during this prompt, 20.02 GiB held after it"])
-    assert pp.parse_stages(info) == {
+    assert logs.parse_stages(info) == {
         "encode_s": 0.41, "encode_cached": True, "denoise_s": 12.8, "s_per_step": 0.32, "decode_s": 0.52,
         "total_s": 13.9, "first_step_s": 28.1, "graphs_compiled": 2, "torch_peak_GiB": 26.31,
         "torch_held_GiB": 20.02, "cuda_graphs": "on (one whole-forward graph per shape)",
         "loads_s": {"text encoder": 3.21, "VAE": 0.35, "DiT": 7.7}}
-    assert pp.parse_stages("nothing here") == {}
+    assert logs.parse_stages("nothing here") == {}
     log = ("got prompt\r 50%|#####     | 20/40 [00:16<00:16,  1.21it/s]\r100%|##########| 40/40 [00:33<00:00,  "
            "1.20it/s]\nPrompt executed in 35.02 seconds\n 10%|#| 1/10 [00:05<00:45,  5.00s/it]")
-    parsed = pp.parse_log(log)
+    parsed = logs.parse_log(log)
     assert parsed == {"progress": "1/10", "s_per_step": 5.0, "progress_elapsed_s": 5, "executed_s": 35.02}
-    assert pp.parse_log(log.rsplit("\n", 1)[0])["s_per_step"] == pytest.approx(1 / 1.2, abs=1e-4)
+    assert logs.parse_log(log.rsplit("\n", 1)[0])["s_per_step"] == pytest.approx(1 / 1.2, abs=1e-4)
     sampler = "INFO Qwen Edit Sampler ran from 1764312345.125 to 1764312346.063 (wall clock, s)\n"
-    assert pp.parse_log(sampler + sampler.replace("45.125", "47.5"))["sampler_wall"] == [1764312347.5, 1764312346.063]
+    assert logs.parse_log(sampler + sampler.replace("45.125", "47.5"))["sampler_wall"] == [1764312347.5, 1764312346.063]
 
 
 def _job(n, label, wall, held, anon, **extra):
@@ -203,7 +206,7 @@ def test_summary_and_table_of_a_run():
                               {"n": 7, "job": "core", "series": "core", "index": 0, "ok": False,
                                "error": "RuntimeError: boom\nline two", "stages": {}, "survived": True}]}],
     }
-    summary = pp.summarize(results)
+    summary = records.summarize(results)
     server = summary["servers"][0]
     assert server["first_image_s"] == 85.0 and server["anon_peak_above_idle_GiB"] == pytest.approx(7.02)
     assert (server["jobs_ok"], server["jobs_failed"], server["jobs_skipped"]) == (5, 1, 1)
@@ -214,11 +217,11 @@ def test_summary_and_table_of_a_run():
     assert summary["lora_changes"] == [{"server": "cold", "job": "lightning_4step:lora=8", "ok": True,
                                         "queue_to_image_s": 3.0, "graphs_compiled": 0, "first_step_s": 1.0}]
     results["summary"] = summary
-    table = pp.markdown(results)
+    table = records.markdown(results)
     assert "| cold | 1 | fastest | yes | 70.00 |" in table
     assert "skipped: no time" in table and "RuntimeError: boom line two" in table
     assert "first image after **85.0 s**" in table and "NVIDIA H100 80GB HBM3" in table
-    checks = pp.targets([results])
+    checks = records.targets([results])
     assert ("| 0.3.75 | warm fastest, queue to image <= 14.0 s (H100), each prompt a new text (its encoding "
             "included) | median 14.10 s (newest run: 2026-11-26, abc) | no |") in checks
     assert ("| 0.3.75 | GPU peak of a fastest prompt <= 28 GiB (card; PyTorch's allocator), on servers where no "
@@ -236,7 +239,7 @@ def test_summary_and_table_of_a_run():
         in checks
     # with prompts that change only the seed, the warm target is theirs, and new-text prompts get their own row
     results["servers"][0]["jobs"].append(_job(8, "fastest", 13.5, 20480, 8.0))
-    checks = pp.targets([results])
+    checks = records.targets([results])
     assert ("| 0.3.75 | warm fastest, queue to image <= 14.0 s (H100) | median 13.50 s (newest run: 2026-11-26, abc) "
             "| yes |") in checks
     assert "| warm fastest with a new prompt text each time (its encoding included) | median 14.10 s |  |" in checks
@@ -246,16 +249,16 @@ def test_summary_and_table_of_a_run():
     for job in newer["servers"][0]["jobs"]:
         if (job.get("gpu") or {}).get("peak_MiB"):
             job["gpu"]["peak_MiB"] = 20 * 1024
-    checks = pp.targets([results, newer])
+    checks = records.targets([results, newer])
     assert "ran before it | 20.00 GiB; " in checks and "GiB (newest run: 2026-11-27, def) | yes |" in checks
-    assert "GiB (newest run: 2026-11-27, def) | yes |" not in pp.targets([results])
+    assert "GiB (newest run: 2026-11-27, def) | yes |" not in records.targets([results])
     # the MODEL path against ComfyUI core's best warm s/step (by its progress line) and the pack's fastest
     assert "ComfyUI core nodes + FP8" not in checks
     jobs = results["servers"][0]["jobs"]
     jobs.append(_job(9, "core", 35.0, 20480, 8.0, log={"s_per_step": 0.7}))
-    jobs.append(_job(10, pp.MODEL_PATH, 14.0, 20480, 8.0, log={"s_per_step": 0.32}, stages={}))
-    jobs.append(_job(11, pp.MODEL_PATH, 14.0, 20480, 8.0, log={"s_per_step": 0.34}, stages={}))
-    checks = pp.targets([results])
+    jobs.append(_job(10, plans.MODEL_PATH, 14.0, 20480, 8.0, log={"s_per_step": 0.32}, stages={}))
+    jobs.append(_job(11, plans.MODEL_PATH, 14.0, 20480, 8.0, log={"s_per_step": 0.34}, stages={}))
+    checks = records.targets([results])
     # without core's compiled step its best is not known: the ratio is shown against core eager, not judged
     assert ("| its s/step against core's warm s/step without TorchCompileModel (the target, 0.55x core's best, "
             "needs core's compiled warm step, not measured here) | 0.471x (0.330 / 0.700) |  |") in checks
@@ -263,14 +266,14 @@ def test_summary_and_table_of_a_run():
             "needs core's compiled warm prompt, not measured on this version) | 0.386x (13.5 s / 35.0 s) |  |"
             ) in checks
     jobs.append(_job(12, "core:compile", 30.0, 20480, 8.0, log={"s_per_step": 0.6}))
-    checks = pp.targets([results])
+    checks = records.targets([results])
     assert "0.42x core's best warm prompt (core's workflow on the runs' fp8 or bf16 DiT file, whichever was faster) " \
            "| 0.45x (13.5 s / 30.0 s) | no |" in checks
     # core's compiled prompt from another run: the ratio says it spans two runs
     other = copy.deepcopy(results)
     other.update(commit="fed", date="2026-11-25 10:00 UTC")
     other["servers"][0]["jobs"] = [_job(1, "core:compile", 25.0, 20480, 8.0, log={"s_per_step": 0.5})]
-    across = pp.targets([results, other])
+    across = records.targets([results, other])
     assert "| 0.54x (13.5 s / 25.0 s) | no (a ratio across runs: abc / fed) |" in across
     assert "| 0.66x (0.330 / 0.500) | no (a ratio across runs: abc / fed) |" in across
     assert "| ComfyUI core nodes + FP8 (KSampler on the pack's MODEL), warm s/step | median 0.330 |  |" in checks
@@ -282,19 +285,19 @@ def test_summary_and_table_of_a_run():
     newer["servers"][0]["jobs"] = [_job(1, "fastest", 60.0, 20480, 8.0, first_on_server=True),
                                    _job(2, "fastest", 12.0, 20480, 8.0)]
     newer["servers"][0]["jobs"][1]["stages"]["s_per_step"] = 0.2
-    both = pp.targets([results, newer])
+    both = records.targets([results, newer])
     assert "| its s/step within 10% of the pack's fastest workflow | 1.1x (0.330 / 0.300) | yes |" in both
     # no fastest prompt in the MODEL path's run: another run's, and the verdict says so
     alone = copy.deepcopy(results)
     alone["servers"][0]["jobs"] = [j for j in alone["servers"][0]["jobs"] if not j["job"].startswith("fastest")]
-    apart = pp.targets([alone, newer])
+    apart = records.targets([alone, newer])
     assert "| its s/step within 10% of the pack's fastest workflow | 1.65x (0.330 / 0.200) | no (a ratio across " \
            "runs: abc / new) |" in apart
     # a fastest prompt after ComfyUI's loaders held their model on that server: its peaks are not its own
     late = _job(13, "fastest", 13.5, 46 * 1024, 60.0)
     late["gpu"]["peak_MiB"] = 50 * 1024
     jobs.append(late)
-    checks = pp.targets([results])
+    checks = records.targets([results])
     assert "ComfyUI-loader prompt ran before it | 30.00 GiB; " in checks
     assert "above the idle server (fastest prompts) | 7.02 GiB | yes |" in checks
     assert "the same during ComfyUI core nodes + FP8 prompts (ComfyUI's loaders keep the bf16 model in host " \
@@ -304,7 +307,7 @@ def test_summary_and_table_of_a_run():
     after_core.update(commit="cor", date="2026-11-30 10:00 UTC")
     after_core["servers"][0]["jobs"] = [_job(1, "core", 35.0, 46 * 1024, 40.0, log={"s_per_step": 0.7}),
                                         copy.deepcopy(late)]
-    checks = pp.targets([results, after_core])
+    checks = records.targets([results, after_core])
     assert "ComfyUI-loader prompt ran before it | 30.00 GiB;  GiB (newest run: 2026-11-26, abc) | no |" in checks
     assert "queue to image <= 14.0 s (H100) | median 13.50 s (newest run: 2026-11-30, cor) | yes |" in checks
 
@@ -313,21 +316,21 @@ def test_a_free_job_shows_what_pytorch_still_holds_after_it():
     cuda = {"devices": [{"name": "cuda:0 NVIDIA H200 : cudaMallocAsync", "type": "cuda", "index": 0,
                          "vram_total": 150 * 2**30, "vram_free": 120 * 2**30,
                          "torch_vram_total": 28 * 2**30, "torch_vram_free": 8 * 2**30}]}
-    assert pp.torch_memory(cuda) == {"allocated_MiB": 20480.0, "reserved_MiB": 28672.0}
-    assert pp.torch_memory({"devices": [{"name": "cpu", "type": "cpu", "torch_vram_total": 1,
+    assert records.torch_memory(cuda) == {"allocated_MiB": 20480.0, "reserved_MiB": 28672.0}
+    assert records.torch_memory({"devices": [{"name": "cpu", "type": "cpu", "torch_vram_total": 1,
                                          "torch_vram_free": 1}]}) is None
     free = {"n": 2, "job": "free", "series": "free", "index": 0, "ok": True, "seconds": 3.0,
             "gpu": {"held_MiB": 28 * 1024}, "host": {"after_GiB": 5.0}, "survived": True,
-            "torch_after": pp.torch_memory(cuda)}
+            "torch_after": records.torch_memory(cuda)}
     results = {"plan": "p", "description": "d", "date": "2026-11-28 10:00 UTC", "commit": "abc",
                "comfyui_version": "0.33.0", "sizes": "full", "device": "gpu",
                "card": {"name": "NVIDIA H200", "memory": "1", "driver": "1"},
                "files": {"dit": "d", "text_encoder": "t", "vae": "v"},
                "servers": [{"label": "s", "caches": "fresh", "start_s": 15.0, "restarts": [], "alive_at_end": True,
                             "idle": {"gpu_MiB": 500, "anon_GiB": 0.5}, "jobs": [free]}]}
-    results["summary"] = pp.summarize(results)
+    results["summary"] = records.summarize(results)
     assert "| s | 2 | free | yes | 3.00 | | | | | | held 28.00 | 20.00 / 28.00 (allocated / reserved) | after 5.00 " \
-           "| |" in pp.markdown(results)
+           "| |" in records.markdown(results)
 
 
 def test_each_twenty_prompt_series_row_names_its_run():
@@ -340,7 +343,7 @@ def test_each_twenty_prompt_series_row_names_its_run():
                 "servers": [{"label": "twenty", "caches": "fresh", "start_s": 15.0, "restarts": [],
                              "idle": {"gpu_MiB": 500, "anon_GiB": 0.5}, "alive_at_end": True, "jobs": jobs}]}
 
-    checks = pp.targets([run("bbb2222", "2026-11-28 10:00 UTC", 1024), run("aaa1111", "2026-11-27 10:00 UTC", 0)])
+    checks = records.targets([run("bbb2222", "2026-11-28 10:00 UTC", 1024), run("aaa1111", "2026-11-27 10:00 UTC", 0)])
     rows = [line for line in checks.splitlines() if "20 prompts" in line or "20 fastest prompts" in line]
     assert rows == [
         "| 0.3.75 | 20 fastest prompts in a row, new seeds and prompts: nothing lost, no crash | 20 of 20 ok, server "
@@ -362,8 +365,8 @@ def test_record_rewrites_the_cards_product_path_file(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(json.dumps(results))
     folder = tmp_path / "performance"
-    first = pp.write_record([path], folder)
-    second = pp.write_record([path], folder)
+    first = records.write_record([path], folder)
+    second = records.write_record([path], folder)
     text = second.read_text()
     assert first == second == folder / "H200-product-path.md"
     assert text.startswith("# Product path on H200") and text.count("\n# ") == 0 and "ComfyUI 0.33.0" in text
@@ -397,7 +400,7 @@ def test_memory_sampler_windows_the_cards_samples_and_the_process_memory(tmp_pat
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     assert pp.card() == {"name": "Fake GPU 80GB", "memory": "81559 MiB", "driver": "580.00"}
-    sampler = pp.MemorySampler(gpu=True)
+    sampler = sampling.MemorySampler(gpu=True)
     sampler.pid = os.getpid()
     try:
         sampler.settle(time.time() + 0.3, timeout=20)  # the stand-in is running and has sampled
@@ -421,7 +424,7 @@ def test_memory_sampler_windows_the_cards_samples_and_the_process_memory(tmp_pat
 def test_kept_caches_outlive_the_run_and_their_first_image_is_no_start_row(tmp_path):
     from types import SimpleNamespace
 
-    spec = pp.ServerSpec("model", "core:compile")
+    spec = plans.ServerSpec("model", "core:compile")
     kept = SimpleNamespace(args=SimpleNamespace(keep_caches=True), work=tmp_path)
     record: dict = {}
     folder = pp.Run.cache_dirs(kept, spec, 0, record)
@@ -450,7 +453,7 @@ def test_kept_caches_outlive_the_run_and_their_first_image_is_no_start_row(tmp_p
                              "idle": {"gpu_MiB": 500, "anon_GiB": 0.5}, "restarts": [], "alive_at_end": True,
                              "jobs": [job]}]}
 
-    assert "empty Inductor cache <= 75 s" in pp.targets([run("fresh")])
+    assert "empty Inductor cache <= 75 s" in records.targets([run("fresh")])
     kept_run = run("kept")
-    assert "Inductor cache <=" not in pp.targets([kept_run])
-    assert "(Inductor/Triton caches kept, 7 files at its start from earlier runs)" in pp.markdown(kept_run)
+    assert "Inductor cache <=" not in records.targets([kept_run])
+    assert "(Inductor/Triton caches kept, 7 files at its start from earlier runs)" in records.markdown(kept_run)
