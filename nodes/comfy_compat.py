@@ -11,9 +11,12 @@ Nothing else in the pack looks at ComfyUI's version; each difference below names
   ``--disable-dynamic-vram``). The pack's models stay plain ModelPatchers (``comfy_memory``), never
   ``ModelPatcherDynamic``: ComfyUI does not stream or offload their weights, and unloading one evicts it, as on
   0.3.75. The diagnosis reports the state (:func:`diagnosis_lines`), because comfy-aimdo hooks the CUDA
-  driver's allocation calls for the whole process. A ComfyUI MODEL that Apply TE-FP8 takes stays ComfyUI's own
-  patcher: under dynamic VRAM ComfyUI loads it again at every prompt, copying its fp8 layers to the GPU each
-  time, which the node says (:func:`dynamic_patcher`).
+  driver's allocation calls for the whole process. The MODEL that Apply TE-FP8 returns from a dynamic MODEL is a
+  plain ``ModelPatcher`` over the same ``BaseModel`` too (:func:`plain_clone`): dynamic VRAM keeps each buffer's
+  first value by its path from the ``BaseModel`` and puts it back at every load and unload, so a buffer of the fp8
+  copy (an object patch of ``diffusion_model``) would be put back after the object patch is undone, onto the
+  bf16 base's layer of the same name (``weight``, a parameter there: ``register_buffer`` raises, in ComfyUI's
+  prompt worker when it is a ``/free``), and every prompt would copy the fp8 layers to the GPU again.
 
 This module imports nothing from ComfyUI at import time, so scripts/diagnose.py can use it outside ComfyUI.
 """
@@ -63,6 +66,16 @@ def dynamic_patcher(model) -> bool:
     """Whether ComfyUI MODEL ``model`` is loaded by dynamic VRAM (0.33.0's ``ModelPatcherDynamic``, whose
     ``is_dynamic()`` is True; 0.3.75's patchers have no such method)."""
     return bool(getattr(model, "is_dynamic", lambda: False)())
+
+
+def plain_clone(model):
+    """A clone of ComfyUI MODEL ``model`` that ComfyUI loads as a plain ``ModelPatcher``: ``model.clone()``, or for a
+    dynamic-VRAM patcher (0.33.0) ComfyUI's own ``clone(disable_dynamic=True, model_override=...)`` over the same
+    ``BaseModel`` (its weights, patches, options, wrappers and callbacks; loaded whole and kept between prompts as on
+    0.3.75, unloaded with ``Module.to``)."""
+    if dynamic_patcher(model):
+        return model.clone(disable_dynamic=True, model_override=model.get_clone_model_override())
+    return model.clone()
 
 
 def diagnosis_lines(comfyui_dir: Path | None = None) -> list:

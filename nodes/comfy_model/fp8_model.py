@@ -9,8 +9,10 @@ clone made from it (so a LoRA strength change reuses it: nothing is quantized ag
 compiled graphs stay valid because the same tensors get new values).
 
 Memory: while ComfyUI loads the clone, the copy *is* the model's ``diffusion_model``, so ComfyUI's memory manager
-moves it to the GPU and back (0.3.75: ``model.to``; 0.33 dynamic VRAM: its buffer staging) and the bf16 base
-stays where ComfyUI keeps unloaded models. The fp8 layers hold buffers, which ComfyUI never patches itself.
+moves it to the GPU and back (``model.to``) and the bf16 base stays where ComfyUI keeps unloaded models. The
+clone is a plain ``ModelPatcher`` also where the MODEL came under 0.33's dynamic VRAM
+(``comfy_compat.plain_clone``: the copy loads once and stays between prompts, as on 0.3.75). The fp8 layers hold
+buffers, which ComfyUI never patches itself.
 
 LoRA: weight patches that ComfyUI holds on the MODEL for an fp8 layer (``LoraLoaderModelOnly``, before or after
 this node) are applied by :func:`sync_patches` when ComfyUI loads the model (an ``ON_LOAD`` callback): base bf16
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comfy_compat import plain_clone
 from .check import ComfyModelError, check_patches, check_weights, qwen_diffusion_model
 
 logger = logging.getLogger(__name__)
@@ -101,7 +104,7 @@ def fp8_model(model, config):
                               "bf16 checkpoint with UNETLoader weight_dtype 'default' on a bf16 GPU")
     held = fp8_dit(base, config)
     check_patches(model, held.fp8_keys())
-    clone = model.clone()
+    clone = plain_clone(model)
     clone.patches_uuid = uuid.uuid4()  # other weights than the parent's: ComfyUI unpatches the parent's first
     clone.add_object_patch("diffusion_model", held.module)
     clone.add_callback_with_key(CallbacksMP.ON_LOAD, CALLBACK_KEY, _on_load(held))

@@ -276,4 +276,53 @@ def test_the_report_names_dynamic_vram_only_where_comfyui_loads_the_model_with_i
     module = fp8_model(base, _config())[1].module
     stored = sum(t.numel() * t.element_size() for t in module.buffers())
     line = dynamic_vram_line(module)
-    assert f"({stored / 2**30:.1f} GiB)" in line and "--disable-dynamic-vram" in line
+    assert f"({stored / 2**30:.1f} GiB)" in line and "plain model" in line
+
+
+def _dynamic_patcher(comfy, patcher):
+    """``patcher``'s BaseModel in 0.33.0's real ``ModelPatcherDynamic`` (comfy-aimdo's library loads without a GPU;
+    the patcher is made for a CUDA load device, as ComfyUI makes it on a GPU, and never loaded here)."""
+    import importlib
+
+    aimdo = pytest.importorskip("comfy_aimdo.control", reason="dynamic VRAM is ComfyUI 0.33.0's (comfy-aimdo)")
+    if not aimdo.init():
+        pytest.skip("comfy-aimdo's library does not load here")
+    import comfy_aimdo.host_buffer
+
+    importlib.reload(comfy_aimdo.host_buffer)  # ComfyUI's main.py loads the library before importing comfy; here after
+    dynamic = comfy.model_patcher.ModelPatcherDynamic(patcher.model, load_device=torch.device("cuda"),
+                                                      offload_device=torch.device("cpu"))
+    assert dynamic.is_dynamic()
+    return dynamic
+
+
+def test_a_dynamic_vram_model_gives_a_plain_fp8_model_that_unloads_back_to_its_base(comfy):
+    """Under 0.33's dynamic VRAM ComfyUI restores each buffer by its path from the BaseModel after undoing object
+    patches: the fp8 copy's ``weight`` buffers would land on the bf16 base's layers (where ``weight`` is a parameter).
+    Apply TE-FP8 therefore returns a plain ModelPatcher over the same BaseModel, and says so."""
+    from qwen_edit_hopper.nodes.apply_fp8 import ApplyFP8
+    from qwen_edit_hopper.nodes.comfy_compat import dynamic_patcher
+    from qwen_edit_hopper.nodes.comfy_model.fp8_model import fp8_model
+
+    dynamic = _dynamic_patcher(comfy, _patcher(comfy))
+    base = dynamic.model.diffusion_model
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    kinds = {name: type(module.weight) for name, module in base.named_modules() if isinstance(module, torch.nn.Linear)}
+    clone, held = fp8_model(dynamic, _config())
+    assert type(clone) is comfy.model_patcher.ModelPatcher and not dynamic_patcher(clone)
+    assert clone.model is dynamic.model and clone.parent is dynamic
+
+    clone.patch_model(load_weights=False)  # what ComfyUI's load does first: the object patch in place
+    assert clone.model.diffusion_model is held.module
+    clone.detach(unpatch_all=True)  # ComfyUI's unload (/free): Module.to the offload device, then the base back
+    assert clone.model.diffusion_model is base
+    assert {name: type(module.weight) for name, module in base.named_modules()
+            if isinstance(module, torch.nn.Linear)} == kinds  # no fp8 buffer landed on a base layer
+    after = base.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+    widgets = {"backend": "scaled_mm_rowwise", "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
+               "amax_compute_algo": "max", "layers": "attn+mlp", "modulation": "fp8 storage"}
+    output = ApplyFP8.execute(**widgets, where_unsupported="emulate", model=dynamic).args
+    assert "loads as a plain model" in output[1] and "--disable-dynamic-vram" in output[1]
+    assert not dynamic_patcher(output[2])
