@@ -150,7 +150,7 @@ commands() {
   echo "    back (each within 30 s of the last; a call that finds no kept archive stops at once and says so; one"
   echo "    that finds no files writes them)"
   call "kitchen pack" "bash bench/product_path_device.sh stash && bash bench/product_path_device.sh files [--dit bf16]"
-  for plan in v033-defaults v033-no-dynamic-vram v033-core; do
+  for plan in v033-defaults v033-twenty-warm-cache v033-no-dynamic-vram v033-core; do
     echo "- $plan: $($HERE_PY bench/product_path.py plan $plan --field description)"
     call "$base comfyui-0.33.0" "bash bench/product_path_device.sh run $plan --commit $commit"
   done

@@ -88,6 +88,12 @@ PLANS: dict[str, Plan] = {
     "v033-no-dynamic-vram": Plan("0.33.0", (
         ServerSpec("no-dynamic-vram", _every_workflow_twice(), args=("--disable-dynamic-vram",)),
     ), description="0.33.0 with --disable-dynamic-vram: every shipped workflow twice with new seeds, /free between"),
+    "v033-twenty-warm-cache": Plan("0.33.0", (
+        ServerSpec("twenty", "fastest:vary*20"),
+        ServerSpec("warm-cache", "fastest,fastest", caches="reuse"),
+    ), description="0.33.0 defaults (dynamic VRAM on): 20 fastest prompts in a row on a fresh server, each with a "
+                    "new seed and prompt (the first one compiles); a second server on the first one's Inductor/Triton "
+                    "caches: its first fastest image and one more"),
     "v033-core": Plan("0.33.0", (
         ServerSpec("core", "core*2,free,core:compile*2,free,fastest*2"),
     ), description="0.33.0 defaults: ComfyUI core's own workflow x2, with TorchCompileModel x2, "
