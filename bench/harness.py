@@ -16,7 +16,7 @@ Parts (``--part a,b``; default all; they run in this order):
   VAE decode) for the baseline (bf16 eager, DiffSynth's forward, sequential CFG), the pack's default,
   the fastest preset, and Lightning 4-step; memory timeline ``e2e_memory.png`` (bench/harness_e2e.py).
 * ``linear``: single linears at the DiT's shapes, every fp8 backend, eager and compiled, forward and
-  input gradient, accuracy vs float64 (bench/harness_forward.py), plus ``linear.png``.
+  input gradient, accuracy vs float64 (bench/harness_linear.py), plus ``linear.png``.
 
 ``--only`` takes comma-separated patterns over measurement ids such as ``forward/ds/bf16-eager``,
 ``cfg/fast/fp8-rowwise-compiled``, ``resolution/fast/bf16-compiled@1328x1328``, ``e2e/fastest-cfg4-40``,
@@ -139,6 +139,7 @@ def out_dir(args: argparse.Namespace) -> Path:
 def all_ids(args: argparse.Namespace) -> list[str]:
     import harness_e2e
     import harness_forward
+    import harness_linear
 
     size = "tiny" if args.tiny else "full"
     sizes = harness_forward.Sizes.tiny() if args.tiny else harness_forward.Sizes()
@@ -146,19 +147,19 @@ def all_ids(args: argparse.Namespace) -> list[str]:
                                          compile_choice=None)
     steps = args.e2e_steps or (2 if args.tiny else 40)
     e2e = [p.id for p in harness_e2e.presets("<fastest>", steps, 2 if args.tiny else 4)]
-    shapes = harness_forward.TINY_SHAPES if args.tiny else harness_forward.FULL_SHAPES
-    return harness_forward.linear_measurement_ids(shapes) + harness_forward.all_measurement_ids(ctx) + e2e
+    shapes = harness_linear.TINY_SHAPES if args.tiny else harness_linear.FULL_SHAPES
+    return harness_linear.linear_measurement_ids(shapes) + harness_forward.all_measurement_ids(ctx) + e2e
 
 
 def report(store: core.ResultStore, out: Path, record: bool) -> None:
     import harness_e2e
-    import harness_forward
+    import harness_linear
 
     env = store.runs[-1] if store.runs else {}
     title = f"{env.get('gpu', '?')}, torch {env.get('torch', '?')}, {env.get('started', '')[:16]}"
     charts = {}
     for name, draw in (("forward.png", lambda p: draw_forward_chart(store, p, title)),
-                       ("linear.png", lambda p: harness_forward.draw_linear_chart(store.records.values(), p, title)),
+                       ("linear.png", lambda p: harness_linear.draw_linear_chart(store.records.values(), p, title)),
                        ("e2e_memory.png", lambda p: harness_e2e.draw_memory_chart(store.records.values(), p, title))):
         try:
             if draw(out / name):
@@ -248,11 +249,11 @@ def run(args: argparse.Namespace, device: torch.device, runner: core.Runner) -> 
         harness_e2e.run_e2e(e2e)
     ctx.release()
     if "linear" in parts:
-        import harness_forward
+        import harness_linear
 
-        shapes = harness_forward.TINY_SHAPES if tiny else harness_forward.FULL_SHAPES
-        harness_forward.run_linear(runner, device, shapes, warmup=1 if tiny else 3,
-                                  reps=2 if tiny else args.linear_reps, no_compile=args.no_compile)
+        shapes = harness_linear.TINY_SHAPES if tiny else harness_linear.FULL_SHAPES
+        harness_linear.run_linear(runner, device, shapes, warmup=1 if tiny else 3,
+                                 reps=2 if tiny else args.linear_reps, no_compile=args.no_compile)
 
 
 # ============================================================================= tables, record, charts

@@ -25,13 +25,13 @@ pytestmark = [
 
 def test_linear_part_runs(tmp_path, capsys):
     import harness
-    import harness_forward
+    import harness_linear
 
     assert harness.main(["--part", "linear", "--out", str(tmp_path), "--linear-reps", "10", "--budget-s", "0"]) == 0
     records = {r["id"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
-    assert set(records) == set(harness_forward.linear_measurement_ids(harness_forward.FULL_SHAPES))
+    assert set(records) == set(harness_linear.linear_measurement_ids(harness_linear.FULL_SHAPES))
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    for shape in harness_forward.FULL_SHAPES:
+    for shape in harness_linear.FULL_SHAPES:
         for variant in ("bf16-eager", "bf16-compiled", "weight-only-eager"):
             record = records[f"linear/{shape.key}/{variant}"]
             assert record["status"] == "ok", (record["id"], record["error"])

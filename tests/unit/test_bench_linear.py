@@ -1,7 +1,7 @@
 """The linear benchmark's accuracy code, checked against a known quantization error on CPU.
 
 Per-tensor ``torch._scaled_mm`` runs on the CPU in torch 2.11, so the whole measuring path
-(``harness_forward.measure``) can be checked on numbers worked out by hand: an identity input and a
+(``harness_linear.measure``) can be checked on numbers worked out by hand: an identity input and a
 weight whose entries are 448 (which sets the per-tensor scale to exactly 1) and 1.0625 (halfway
 between the e4m3 neighbours 1.0 and 1.125, so round-to-nearest-even stores 1.0: an error of exactly
 -0.0625 per entry).
@@ -20,7 +20,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import harness_core as core
-import harness_forward as hl
+import harness_linear as hl
 
 CPU = torch.device("cpu")
 
