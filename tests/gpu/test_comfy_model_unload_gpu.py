@@ -11,8 +11,10 @@ UNETLoader leaves it, runs one model call (``apply_model``, batch 2, a 1024x1024
   attention, Compile Model),
 
 then ``comfy.model_management.unload_all_models()``, a garbage collection and ``torch.cuda.empty_cache()``, as
-``/free`` does. It prints, for each, the CUDA bytes allocated before the load, loaded, and after the unload, and
-the largest CUDA tensors still alive with what refers to them. It asserts that the FP8 MODEL's unload gives back
+``/free`` does. It prints, for each, the CUDA bytes allocated before the load, loaded, and after the unload, what
+the allocator still reserves and the card has in use, and the largest CUDA tensors still alive with what refers to
+them. ComfyUI's server runs PyTorch's cudaMallocAsync allocator where it can; run the test under it too
+(``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``) to compare. It asserts that the FP8 MODEL's unload gives back
 its fp8 copy (at most 10% of the copy's bytes stay); ComfyUI core's figures are printed, not asserted.
 
 Run on the device machine (ComfyUI's source: ``QWEN_EDIT_COMFYUI_DIR``, default ``.testenv/comfyui``)::
@@ -133,8 +135,11 @@ def _alive_cuda_tensors(min_bytes: int = 8 * 1024**2) -> list[torch.Tensor]:
 
 
 def _report(label: str, before: int, loaded: int, after: int, top: int = 4) -> str:
+    free, total = torch.cuda.mem_get_info()
     lines = [f"{label}: CUDA allocated before the load {before / GIB:.2f} GiB, loaded {loaded / GIB:.2f} GiB, "
-             f"after the unload {after / GIB:.2f} GiB (kept {(after - before) / GIB:.2f} GiB)"]
+             f"after the unload {after / GIB:.2f} GiB (kept {(after - before) / GIB:.2f} GiB); after it the "
+             f"allocator reserves {torch.cuda.memory_reserved() / GIB:.2f} GiB and the card has "
+             f"{(total - free) / GIB:.2f} GiB in use (allocator: {torch.cuda.get_allocator_backend()})"]
     alive = _alive_cuda_tensors()
     lines.append(f"  CUDA tensors still alive (>= 8 MiB): {len(alive)}, "
                  f"{sum(t.untyped_storage().nbytes() for t in alive) / GIB:.2f} GiB")
