@@ -58,8 +58,13 @@ class RuntimeModelPatcher(comfy.model_patcher.ModelPatcher):
         if unpatch_all:
             logger.info("ComfyUI unloads %s", self.label)
             self.runtime.evict(self.resident_key)
-            with torch.no_grad():
-                self.model.to("meta")  # frees the weights now; the empty shell dies outside ComfyUI's loops
+            try:
+                with torch.no_grad():
+                    self.model.to("meta")  # frees the weights now; the empty shell dies outside ComfyUI's loops
+            except Exception as error:  # ComfyUI unloads in its prompt worker: a raise there ends the worker
+                logger.warning("unloading %s: its tensors could not be dropped at once (%s: %s); the runtime let "
+                               "go of it, so they are freed when it is collected", self.label, type(error).__name__,
+                               error)
             self.hooks.bury(self)
         return self.model
 
