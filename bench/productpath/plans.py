@@ -46,6 +46,15 @@ def _every_workflow_twice() -> str:
     return ",".join(f"{name}*2,free" for name in order)
 
 
+def _twenty_and_warm_cache(comfyui: str, defaults: str) -> Plan:
+    return Plan(comfyui, (
+        ServerSpec("twenty", "fastest:vary*20"),
+        ServerSpec("warm-cache", "fastest,fastest", caches="reuse"),
+    ), description=f"{defaults}: 20 fastest prompts in a row on a fresh server, each with a new seed and prompt "
+                    "(the first one compiles); a second server on the first one's Inductor/Triton caches: its first "
+                    "fastest image and one more")
+
+
 def _model_path_plan(comfyui: str) -> Plan:
     """ComfyUI core's own workflow with and without TorchCompileModel, the MODEL path and the pack's fastest on one
     server (the bf16 DiT: ``--dit bf16``)."""
@@ -66,12 +75,7 @@ PLANS: dict[str, Plan] = {
         ServerSpec("twenty", "fastest:vary*20"),
     ), description="0.3.75 defaults: 20 fastest prompts in a row on a fresh server, each with a new "
                     "seed and prompt (the first one compiles)"),
-    "v075-twenty-warm-cache": Plan("0.3.75", (
-        ServerSpec("twenty", "fastest:vary*20"),
-        ServerSpec("warm-cache", "fastest,fastest", caches="reuse"),
-    ), description="0.3.75 defaults: 20 fastest prompts in a row on a fresh server, each with a new seed and "
-                    "prompt (the first one compiles); a second server on the first one's Inductor/Triton caches: "
-                    "its first fastest image and one more"),
+    "v075-twenty-warm-cache": _twenty_and_warm_cache("0.3.75", "0.3.75 defaults"),
     "v075-start": Plan("0.3.75", (
         ServerSpec("cold", "fastest,fastest"),
         ServerSpec("warm-cache", "fastest,fastest", caches="reuse"),
@@ -88,12 +92,7 @@ PLANS: dict[str, Plan] = {
     "v033-no-dynamic-vram": Plan("0.33.0", (
         ServerSpec("no-dynamic-vram", _every_workflow_twice(), args=("--disable-dynamic-vram",)),
     ), description="0.33.0 with --disable-dynamic-vram: every shipped workflow twice with new seeds, /free between"),
-    "v033-twenty-warm-cache": Plan("0.33.0", (
-        ServerSpec("twenty", "fastest:vary*20"),
-        ServerSpec("warm-cache", "fastest,fastest", caches="reuse"),
-    ), description="0.33.0 defaults (dynamic VRAM on): 20 fastest prompts in a row on a fresh server, each with a "
-                    "new seed and prompt (the first one compiles); a second server on the first one's Inductor/Triton "
-                    "caches: its first fastest image and one more"),
+    "v033-twenty-warm-cache": _twenty_and_warm_cache("0.33.0", "0.33.0 defaults (dynamic VRAM on)"),
     "v033-core": Plan("0.33.0", (
         ServerSpec("core", "core*2,free,core:compile*2,free,fastest*2"),
     ), description="0.33.0 defaults: ComfyUI core's own workflow x2, with TorchCompileModel x2, "
