@@ -120,28 +120,7 @@ def _on_load(held: Fp8Dit):
         check_patches(patcher, held.fp8_keys())
         _require_device(held, device_to)
         sync_patches(held, patcher)
-        refresh_column_bounds(held)
     return on_load
-
-
-@torch.no_grad()
-def refresh_column_bounds(held: Fp8Dit) -> int:
-    """Make the column bound of each row-wise fp8 layer that reached the GPU without one; returns how many.
-
-    A layer makes its bound when ``Module._apply`` moves it to the GPU (0.3.75's loads). 0.33's dynamic VRAM swaps
-    the buffers in without ``_apply``, and without the bound the fused block leaves out the fused GELU GEMM and the
-    joint v GEMM. Once made, the bound is a buffer the later loads carry, and ``sync_patches`` renews it with the
-    values it writes.
-    """
-    made = 0
-    for decision in held.report.converted:
-        layer = held.module.get_submodule(decision.name)
-        if getattr(layer, "column_bound", False) is None and layer.weight.is_cuda:
-            layer.refresh_column_bound()
-            made += layer.column_bound is not None
-    if made:
-        logger.info("FP8 MODEL: column bounds made for %d fp8 layers loaded onto the GPU without them", made)
-    return made
 
 
 def _require_device(held: Fp8Dit, device_to) -> None:
