@@ -15,6 +15,10 @@ from test_checkpoints_support import comfy as import_comfy
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 DIM, HEADS, LAYERS, TEXT = 64, 2, 2, 32
+APPLY_FP8_WIDGETS = {"backend": "scaled_mm_rowwise", "te_recipe": "current", "fp8_format": "E4M3",
+                     "amax_history_len": 16, "amax_compute_algo": "max", "layers": "attn+mlp",
+                     "modulation": "fp8 storage"}
+"""Apply TE-FP8's widgets as the tests set them (the MODEL goes in beside them)."""
 
 
 @pytest.fixture(scope="module")
@@ -230,18 +234,16 @@ def test_the_nodes_take_a_model_and_return_one_for_ksampler(comfy):
     from qwen_edit_hopper.nodes.compile_model import CompileModel
 
     base = _patcher(comfy)
-    widgets = {"backend": "scaled_mm_rowwise", "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
-               "amax_compute_algo": "max", "layers": "attn+mlp", "modulation": "fp8 storage"}
-    out = ApplyFP8.execute(**widgets, where_unsupported="emulate", model=base, attention="cudnn_fp8")
+    out = ApplyFP8.execute(**APPLY_FP8_WIDGETS, where_unsupported="emulate", model=base, attention="cudnn_fp8")
     pipe, report, model = out.args
     assert pipe is None and "EMULATED" in report and "cudnn_fp8_emulated" in report
     compiled = CompileModel.execute(mode="default", dynamic=True, warmup=True, warmup_size=256, model=model).args
     assert compiled[0] is None and "CUDA graphs: not on a ComfyUI MODEL" in compiled[1]
     assert 1e-4 < _rel(_sample(comfy, model), _sample(comfy, base)) < 6e-2
     with pytest.raises(NodeInputError, match="connect exactly one"):
-        ApplyFP8.execute(**widgets, where_unsupported="emulate")
+        ApplyFP8.execute(**APPLY_FP8_WIDGETS, where_unsupported="emulate")
     with pytest.raises(NodeInputError, match=r"attention: triton_fp8 cannot run here"):
-        ApplyFP8.execute(**widgets, where_unsupported="emulate", model=base, attention="triton_fp8")
+        ApplyFP8.execute(**APPLY_FP8_WIDGETS, where_unsupported="emulate", model=base, attention="triton_fp8")
 
 
 def test_the_fp8_copy_goes_when_comfyui_lets_its_base_go(comfy):
@@ -269,9 +271,7 @@ def test_the_report_names_dynamic_vram_only_where_comfyui_loads_the_model_with_i
 
     base = _patcher(comfy)
     assert not dynamic_patcher(base)  # a CPU load device: a plain ModelPatcher on 0.33.0 too
-    widgets = {"backend": "scaled_mm_rowwise", "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
-               "amax_compute_algo": "max", "layers": "attn+mlp", "modulation": "fp8 storage"}
-    report = ApplyFP8.execute(**widgets, where_unsupported="emulate", model=base).args[1]
+    report = ApplyFP8.execute(**APPLY_FP8_WIDGETS, where_unsupported="emulate", model=base).args[1]
     assert "dynamic VRAM" not in report
     module = fp8_model(base, _config())[1].module
     stored = sum(t.numel() * t.element_size() for t in module.buffers())
@@ -296,6 +296,11 @@ def _dynamic_patcher(comfy, patcher):
     return dynamic
 
 
+def _linear_weight_types(module: torch.nn.Module) -> dict[str, type]:
+    """Each ``nn.Linear``'s name -> the type of its ``weight`` (a parameter, unless something replaced it)."""
+    return {name: type(m.weight) for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
 def test_a_dynamic_vram_model_gives_a_plain_fp8_model_that_unloads_back_to_its_base(comfy):
     """Under 0.33's dynamic VRAM ComfyUI restores each buffer by its path from the BaseModel after undoing object
     patches: the fp8 copy's ``weight`` buffers would land on the bf16 base's layers (where ``weight`` is a parameter).
@@ -307,7 +312,7 @@ def test_a_dynamic_vram_model_gives_a_plain_fp8_model_that_unloads_back_to_its_b
     dynamic = _dynamic_patcher(comfy, _patcher(comfy))
     base = dynamic.model.diffusion_model
     before = {k: v.clone() for k, v in base.state_dict().items()}
-    kinds = {name: type(module.weight) for name, module in base.named_modules() if isinstance(module, torch.nn.Linear)}
+    kinds = _linear_weight_types(base)
     clone, held = fp8_model(dynamic, _config())
     assert type(clone) is comfy.model_patcher.ModelPatcher and not dynamic_patcher(clone)
     assert clone.model is dynamic.model and clone.parent is dynamic
@@ -316,13 +321,10 @@ def test_a_dynamic_vram_model_gives_a_plain_fp8_model_that_unloads_back_to_its_b
     assert clone.model.diffusion_model is held.module
     clone.detach(unpatch_all=True)  # ComfyUI's unload (/free): Module.to the offload device, then the base back
     assert clone.model.diffusion_model is base
-    assert {name: type(module.weight) for name, module in base.named_modules()
-            if isinstance(module, torch.nn.Linear)} == kinds  # no fp8 buffer landed on a base layer
+    assert _linear_weight_types(base) == kinds  # no fp8 buffer landed on a base layer
     after = base.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
-    widgets = {"backend": "scaled_mm_rowwise", "te_recipe": "current", "fp8_format": "E4M3", "amax_history_len": 16,
-               "amax_compute_algo": "max", "layers": "attn+mlp", "modulation": "fp8 storage"}
-    output = ApplyFP8.execute(**widgets, where_unsupported="emulate", model=dynamic).args
+    output = ApplyFP8.execute(**APPLY_FP8_WIDGETS, where_unsupported="emulate", model=dynamic).args
     assert "loads as a plain model" in output[1] and "--disable-dynamic-vram" in output[1]
     assert not dynamic_patcher(output[2])
