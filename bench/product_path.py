@@ -50,7 +50,7 @@ this tool); here::
 
     python3 bench/product_path.py run --comfyui .testenv/comfyui --models M --out O --plan tiny-smoke --tiny
     python3 bench/product_path.py table O/results.json
-    python3 bench/product_path.py targets O/results.json [O2/results.json ...]  # the issue's targets, one card
+    python3 bench/product_path.py targets O/results.json [O2/results.json ...]  # the product path's targets, one card
     python3 bench/product_path.py record O/results.json [O2/results.json ...]  # docs/performance/<card>-product-path.md
     python3 bench/product_path.py integrity --device cuda --synthetic-blocks 6  # the load check's cost
 """

@@ -333,7 +333,7 @@ def _model_path_rows(ok: list[tuple[dict, dict]], of: Callable[..., list[dict[st
 
 
 def targets(runs: list[dict[str, Any]]) -> str:
-    """The issue's targets against what the runs of one card measured, per ComfyUI version, as markdown."""
+    """The product path's targets against what the runs of one card measured, per ComfyUI version, as markdown."""
     lines = ["| ComfyUI | target | measured | met |", "|---|---|---|---|"]
     for version in sorted({r["comfyui_version"] for r in runs}):
         jobs = _jobs(runs, version)
