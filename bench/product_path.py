@@ -15,7 +15,8 @@ random-weight ones). Jobs are queued over HTTP one after another:
   qwen_image, VAELoader, ImageScaleToTotalPixels 1 MP, TextEncodeQwenImageEditPlus, VAEEncode,
   ModelSamplingAuraFlow shift 3.1, KSampler euler/simple 40 steps cfg 4, VAEDecode, SaveImage); ``core:compile``
   puts TorchCompileModel (inductor) after the UNETLoader;
-* ``free``: POST /free (unload models, free memory), as ComfyUI's "free model and node cache" button does.
+* ``free``: POST /free (unload models, free memory), as ComfyUI's "free model and node cache" button does; the job
+  ends once the server's PyTorch allocation stops falling (the unload moves models to the CPU in the background).
 
 A job spec is ``name[:option[:option...]][*repeat]``; options: ``vary`` (new prompt text), ``lora=4|8`` (which
 Lightning LoRA file), ``strength=X``, ``graphs=off`` (CUDA graphs off in the Compile node), ``compile`` (core),
@@ -106,6 +107,10 @@ from productpath.sampling import GIB, MemorySampler, rss_anon  # noqa: E402
 
 HELD_AFTER_S = 1.0
 """Seconds after a prompt ends at which the memory it left held is read."""
+FREE_SETTLE_S = 120.0
+"""Seconds a ``free`` job waits at most for the server's PyTorch allocation to stop falling."""
+FREE_SETTLED_READS = 4
+"""Reads 0.5 s apart with an unchanged allocation after which a ``free`` job counts the unload as done."""
 RESERVE_S = 20.0
 """Seconds kept at the end of a deadline for stopping the server and writing results."""
 KEPT_CACHES = "kept-caches"
@@ -303,6 +308,26 @@ class Run:
 
     # -- jobs
 
+    def wait_allocated_settled(self, since: float) -> bool | None:
+        """Wait until the server's PyTorch allocation stops falling after a ``/free``: ComfyUI's prompt worker moves
+        each model to its offload device (the CPU) in the background, several seconds for 20-40 GiB. True once
+        ``allocated_MiB`` changed by under 16 MiB over ``FREE_SETTLED_READS`` reads 0.5 s apart, False after
+        ``FREE_SETTLE_S`` (or the deadline), None where ``/system_stats`` has no CUDA device."""
+        last, steady = None, 0
+        while time.time() - since < FREE_SETTLE_S and self.deadline.left() > RESERVE_S:
+            try:
+                now = torch_memory(self.server.get("/system_stats", timeout=10).json())
+            except Exception:  # the server is judged alive or not after the job
+                return None
+            if now is None:
+                return None
+            steady = steady + 1 if last is not None and abs(now["allocated_MiB"] - last) < 16 else 0
+            if steady >= FREE_SETTLED_READS:
+                return True
+            last = now["allocated_MiB"]
+            time.sleep(0.5)
+        return False
+
     def run_job(self, job: Job, number: int) -> dict[str, Any]:
         record: dict[str, Any] = {"n": number, "job": job.label, "series": job.series, "index": job.index}
         if job.kind == "free":
@@ -310,6 +335,7 @@ class Run:
             self.server.free()
             time.sleep(2.0)
             self.server.wait_idle(timeout=60)
+            record["torch_settled"] = self.wait_allocated_settled(t0)
             time.sleep(HELD_AFTER_S)
             after = time.time()
             self.sampler.settle(after)

@@ -334,7 +334,7 @@ gpu_test() {  # gpu_test [TEST ...]: the GPU tests named (default: this tool's) 
   mkdir -p "$OUT"
   setup 0.3.75
   [ $# -gt 0 ] || set -- tests/gpu/test_product_path_tool_gpu.py
-  $PY -m pytest -m gpu -p no:cacheprovider -q -rs -s "$@" 2>&1 | tee "$OUT/pytest.log"
+  $PY -m pytest -m gpu -p no:cacheprovider -q -rs -s "$@" 2>&1 | tee "$OUT/pytest-$(date +%H%M%S).log"
 }
 
 parallel() {  # parallel [OPTION ...]: bench/parallel_bench.py with ComfyUI 0.3.75's set-up, within QEH_LIMIT

@@ -44,6 +44,14 @@ def torch_memory(system_stats: dict[str, Any]) -> dict[str, float] | None:
     return None
 
 
+def _settled_note(job: dict[str, Any]) -> str:
+    """A ``free`` row's note: whether the server's allocation had stopped falling when it was read."""
+    settled = job.get("torch_settled")
+    if settled is None:
+        return " "
+    return " unload done (allocation steady) " if settled else " allocation still falling when read "
+
+
 def _gib(mib: float | None) -> float | None:
     return None if mib is None else round(mib / 1024, 2)
 
@@ -187,7 +195,7 @@ def markdown(results: dict[str, Any], heading: str = "###") -> str:
                               " (allocated / reserved)" if torch_after else "")
                 lines.append(f"| {server['label']} | {job['n']} | free | {_num(job.get('ok'))} | "
                              f"{_num(job.get('seconds'))} | | | | | | held {_num(_gib(gpu.get('held_MiB')))} | "
-                             f"{torch_held} | after {_num(host.get('after_GiB'))} | |")
+                             f"{torch_held} | after {_num(host.get('after_GiB'))} |{_settled_note(job)}|")
                 continue
             step = st.get("s_per_step") or log.get("s_per_step")
             encode = _num(st.get("encode_s")) + (" (cached)" if st.get("encode_cached") else "")

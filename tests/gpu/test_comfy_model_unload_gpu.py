@@ -49,7 +49,7 @@ GIB = 1024**3
 
 
 def _cpu_model(comfy):
-    """ComfyUI's QwenImage with random bf16 weights on the CPU, in a ModelPatcher that loads onto the GPU."""
+    """ComfyUI's QwenImage with random bf16 weights on the CPU, in a ModelPatcher that loads onto ComfyUI's GPU."""
     config = comfy.supported_models.QwenImage({"image_model": "qwen_image", "in_channels": 64, "num_layers": LAYERS})
     config.set_inference_dtype(torch.bfloat16, None)
     model = config.get_model({})
@@ -60,7 +60,9 @@ def _cpu_model(comfy):
                 param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
             else:
                 param.copy_(torch.ones_like(param) if "norm" in name else torch.zeros_like(param))
-    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cuda"),
+    # ComfyUI's own load device (``cuda:0``): free_memory unloads only the models whose device equals it, and
+    # ``torch.device("cuda")`` does not
+    return comfy.model_patcher.ModelPatcher(model, load_device=comfy.model_management.get_torch_device(),
                                             offload_device=torch.device("cpu"))
 
 

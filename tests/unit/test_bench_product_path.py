@@ -331,6 +331,10 @@ def test_a_free_job_shows_what_pytorch_still_holds_after_it():
     results["summary"] = records.summarize(results)
     assert "| s | 2 | free | yes | 3.00 | | | | | | held 28.00 | 20.00 / 28.00 (allocated / reserved) | after 5.00 " \
            "| |" in records.markdown(results)
+    free["torch_settled"] = False
+    assert "| after 5.00 | allocation still falling when read |" in records.markdown(results)
+    free["torch_settled"] = True
+    assert "| after 5.00 | unload done (allocation steady) |" in records.markdown(results)
 
 
 def test_each_twenty_prompt_series_row_names_its_run():
