@@ -103,7 +103,7 @@ from productpath.record import (  # noqa: E402
     torch_memory,
     write_record,
 )
-from productpath.sampling import GIB, MemorySampler, rss_anon  # noqa: E402
+from productpath.sampling import GIB, MemorySampler, rss_anon, wait_steady  # noqa: E402
 
 HELD_AFTER_S = 1.0
 """Seconds after a prompt ends at which the memory it left held is read."""
@@ -310,23 +310,19 @@ class Run:
 
     def wait_allocated_settled(self, since: float) -> bool | None:
         """Wait until the server's PyTorch allocation stops falling after a ``/free``: ComfyUI's prompt worker moves
-        each model to its offload device (the CPU) in the background, several seconds for 20-40 GiB. True once
+        each model to its offload device (the CPU) in the background, 15-24 s for 20-30 GiB. True once
         ``allocated_MiB`` changed by under 16 MiB over ``FREE_SETTLED_READS`` reads 0.5 s apart, False after
-        ``FREE_SETTLE_S`` (or the deadline), None where ``/system_stats`` has no CUDA device."""
-        last, steady = None, 0
-        while time.time() - since < FREE_SETTLE_S and self.deadline.left() > RESERVE_S:
+        ``FREE_SETTLE_S`` (or near the deadline), None where ``/system_stats`` has no CUDA device."""
+
+        def allocated() -> float | None:
             try:
                 now = torch_memory(self.server.get("/system_stats", timeout=10).json())
             except Exception:  # the server is judged alive or not after the job
                 return None
-            if now is None:
-                return None
-            steady = steady + 1 if last is not None and abs(now["allocated_MiB"] - last) < 16 else 0
-            if steady >= FREE_SETTLED_READS:
-                return True
-            last = now["allocated_MiB"]
-            time.sleep(0.5)
-        return False
+            return None if now is None else now["allocated_MiB"]
+
+        return wait_steady(allocated, lambda: time.time() - since < FREE_SETTLE_S and self.deadline.left() > RESERVE_S,
+                           reads=FREE_SETTLED_READS)
 
     def run_job(self, job: Job, number: int) -> dict[str, Any]:
         record: dict[str, Any] = {"n": number, "job": job.label, "series": job.series, "index": job.index}

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -133,3 +134,21 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+
+
+def wait_steady(read: Callable[[], float | None], keep_waiting: Callable[[], bool], tolerance: float = 16.0,
+                reads: int = 4, interval_s: float = 0.5, sleep: Callable[[float], None] = time.sleep) -> bool | None:
+    """Read a value (e.g. a server's allocated MiB) every ``interval_s`` until it changed by under ``tolerance`` over
+    ``reads`` reads in a row: True then; False once ``keep_waiting()`` says stop first; None when ``read`` returns
+    None (nothing to read)."""
+    last, steady = None, 0
+    while keep_waiting():
+        now = read()
+        if now is None:
+            return None
+        steady = steady + 1 if last is not None and abs(now - last) < tolerance else 0
+        if steady >= reads:
+            return True
+        last = now
+        sleep(interval_s)
+    return False

@@ -337,6 +337,22 @@ def test_a_free_job_shows_what_pytorch_still_holds_after_it():
     assert "| after 5.00 | unload done (allocation steady) |" in records.markdown(results)
 
 
+def test_a_free_job_waits_until_the_allocation_stops_falling():
+    def run(values, rounds=20):
+        reads, slept, left = iter(values), [], [rounds]
+
+        def keep_waiting():
+            left[0] -= 1
+            return left[0] >= 0
+
+        return sampling.wait_steady(lambda: next(reads), keep_waiting, sleep=slept.append), len(slept)
+
+    falling = [28000.0, 24000.0, 20000.0, 16000.0, 12000.0, 9000.0, 9005.0, 9004.0, 9006.0, 9006.0, 9006.0]
+    assert run(falling) == (True, 9)  # steady only after four reads within 16 MiB of the one before
+    assert run([28000.0 - 1000 * i for i in range(30)], rounds=10) == (False, 10)
+    assert run([None]) == (None, 0)
+
+
 def test_each_twenty_prompt_series_row_names_its_run():
     def run(commit, date, held_growth):
         jobs = [_job(1 + i, "fastest:vary", 14.0, 20480 + (held_growth if i == 19 else 0), 8.0,
