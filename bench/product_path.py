@@ -21,8 +21,9 @@ random-weight ones). Jobs are queued over HTTP one after another:
 A job spec is ``name[:option[:option...]][*repeat]``; options: ``vary`` (new prompt text), ``lora=4|8`` (which
 Lightning LoRA file), ``strength=X``, ``graphs=off`` (CUDA graphs off in the Compile node), ``compile`` (core),
 ``seed=N``, ``host_blocks=N`` (the Load node's DiT blocks kept in host memory). Plans (``--plan``; ``plan NAME``
-prints one) are lists of servers, each with its arguments, its Inductor/Triton caches (fresh empty folders, or the
-previous server's) and its jobs.
+prints one) are lists of servers, each with its arguments, its Inductor, Triton and CUDA driver JIT caches (fresh empty
+folders, or the previous server's; ``CUDA_CACHE_PATH`` too, so that no earlier run on the machine warms a start) and
+its jobs.
 
 Recorded per job (``results.json``, rewritten after every job): queue-to-image seconds (the POST to ComfyUI's own
 ``execution_success`` timestamp) and execution seconds; the Qwen Edit Sampler's reported stages (prompt encoding,
@@ -232,7 +233,8 @@ class Run:
         example_image(base / "input" / INPUT_IMAGE, TINY_SIZE if self.args.tiny else FULL_SIZE)
         (base / "frontend").mkdir()
         cache = self.cache_dirs(spec, index, record)
-        env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
+               "CUDA_CACHE_PATH": str(cache / "cuda")}  # the driver JIT cache, else machine-wide
         if self.args.cpu:
             env["QWEN_EDIT_FP8_EMULATE"] = "1"  # FP8 kernels that cannot run on a CPU run as their mirrors, said
         args = ("--extra-model-paths-config", str(write_extra_model_paths(base, self.args.models.resolve())),

@@ -170,7 +170,8 @@ def markdown(results: dict[str, Any], heading: str = "###") -> str:
         gpu_idle = f"idle GPU {_num(_gib(idle.get('gpu_MiB')))} GiB, " if idle.get("gpu_MiB") is not None else "idle "
         caches = server["caches"] + (f", {server['kept_cache_files']} files at its start from earlier runs"
                                      if "kept_cache_files" in server else "")
-        lines.append(f"- server `{server['label']}` (Inductor/Triton caches {caches}): `{args}`; "
+        kinds = "Inductor/Triton/CUDA JIT" if "CUDA_CACHE_PATH" in (server.get("env") or {}) else "Inductor/Triton"
+        lines.append(f"- server `{server['label']}` ({kinds} caches {caches}): `{args}`; "
                      f"start {_num(server.get('start_s'))} s; {gpu_idle}host anon {_num(idle.get('anon_GiB'))} GiB; "
                      f"device `{device}`"
                      + (f"; did not start: {' '.join(server['start_error'].split())[-300:]}"

@@ -477,3 +477,5 @@ def test_kept_caches_outlive_the_run_and_their_first_image_is_no_start_row(tmp_p
     kept_run = run("kept")
     assert "Inductor cache <=" not in records.targets([kept_run])
     assert "(Inductor/Triton caches kept, 7 files at its start from earlier runs)" in records.markdown(kept_run)
+    kept_run["servers"][0]["env"] = {"TORCHINDUCTOR_CACHE_DIR": "i", "TRITON_CACHE_DIR": "t", "CUDA_CACHE_PATH": "c"}
+    assert "(Inductor/Triton/CUDA JIT caches kept, 7 files" in records.markdown(kept_run)
