@@ -164,6 +164,9 @@ commands() {
   call "$base comfyui-0.3.75" "bash bench/product_path_device.sh parallel --layouts 1,cfg2,u2"
   echo; echo "GPU test of this tool (tiny files through a GPU server):"
   call "$base comfyui-0.3.75" "bash bench/product_path_device.sh gpu-test"
+  echo; echo "GPU tests that need no model files (one pytest log each under \$OUT), e.g. what the CUDA driver's JIT cache"
+  echo "    does to the first cuDNN FP8 attention call:"
+  call "$base comfyui-0.3.75" "bash bench/product_path_device.sh gpu-test tests/gpu/test_first_call_driver_cache_gpu.py"
   echo; echo "Afterwards, here: python3 bench/product_path.py record RESULTS.json [RESULTS.json ...]"
 }
 
