@@ -14,8 +14,16 @@ clone is a plain ``ModelPatcher`` also where the MODEL came under 0.33's dynamic
 (``comfy_compat.plain_clone``: the copy loads once and stays between prompts, as on 0.3.75). The fp8 layers hold
 buffers, which ComfyUI never patches itself.
 
+Weights identity: ComfyUI moves a model to its offload device and back whenever the clone it loads carries another
+``patches_uuid`` than the one loaded. The clone's ``patches_uuid`` is therefore derived from the copy and from the
+weight patches ComfyUI applies itself (those on layers kept high precision), not from the fp8 layers' patches,
+which this module applies: two clones of one copy that differ only there (a LoRA strength change) keep the copy on
+the GPU, where a fresh uuid would send its ~19 GiB to the CPU and back (moving it off took 15-24 s in a ``/free`` on
+an H200). It differs from the parent's, so ComfyUI still takes the parent's weights off first.
+
 LoRA: weight patches that ComfyUI holds on the MODEL for an fp8 layer (``LoraLoaderModelOnly``, before or after
-this node) are applied by :func:`sync_patches` when ComfyUI loads the model (an ``ON_LOAD`` callback): base bf16
+this node) are applied by :func:`sync_patches` when ComfyUI loads the model (an ``ON_LOAD`` callback) and again
+before each sampling (``ON_PRE_RUN``: a model ComfyUI finds loaded is not loaded again): base bf16
 weight -> ``comfy.lora.calculate_weight`` -> cast to the base dtype -> quantized as the layer was. A layer whose
 patches are gone gets its quantized base back (bit for bit). Patches on layers kept high precision stay ComfyUI's.
 """
@@ -25,7 +33,7 @@ from __future__ import annotations
 import logging
 import uuid
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,12 +49,14 @@ DIT_PREFIX = "diffusion_model."
 @dataclass
 class Fp8Dit:
     """One fp8 copy of a base DiT: ``module`` (the copy), ``base_ref`` (a weak reference to ComfyUI's DiT: the copy
-    never keeps a base alive that ComfyUI let go), the config and report."""
+    never keeps a base alive that ComfyUI let go), the config and report, and ``identity`` (this copy's own uuid,
+    the root of its clones' ``patches_uuid``)."""
 
     module: torch.nn.Module
     base_ref: weakref.ReferenceType
     config: object
     report: object
+    identity: uuid.UUID = field(default_factory=uuid.uuid4)
 
     @property
     def base(self) -> torch.nn.Module:
@@ -105,22 +115,65 @@ def fp8_model(model, config):
     held = fp8_dit(base, config)
     check_patches(model, held.fp8_keys())
     clone = plain_clone(model)
-    clone.patches_uuid = uuid.uuid4()  # other weights than the parent's: ComfyUI unpatches the parent's first
+    clone.patches_uuid = weights_uuid(held, clone)
     clone.add_object_patch("diffusion_model", held.module)
     clone.add_callback_with_key(CallbacksMP.ON_LOAD, CALLBACK_KEY, _on_load(held))
+    clone.add_callback_with_key(CallbacksMP.ON_PRE_RUN, CALLBACK_KEY, _on_pre_run(held))
     base_bytes = comfy.model_management.module_size(base)
     clone.size = max(model.model_size() - base_bytes, 0) + comfy.model_management.module_size(held.module)
     return clone, held
 
 
+def weights_uuid(held: Fp8Dit, patcher) -> uuid.UUID:
+    """``patches_uuid`` for a clone of ``held``'s copy: one per copy and per set of weight patches ComfyUI applies
+    itself (keys outside the fp8 layers, compared by strength and by the patch objects), so clones that differ
+    only in their fp8 layers' patches share it, and no other model's uuid equals it."""
+    fp8_keys = held.fp8_keys()
+    seen = []
+    for key in sorted(k for k in patcher.patches if k not in fp8_keys):
+        seen.append((key, _identity(patcher.patches[key])))
+    return uuid.uuid5(held.identity, repr(seen))
+
+
+_TOKENS: dict[int, uuid.UUID] = {}
+"""id of a live patch object (a LoRA adapter, a tensor) -> a uuid of its own; the entry goes with the object, so a
+later object at the same address gets another (keyed by id: tensors compare elementwise, not as dict keys)."""
+
+
+def _identity(part) -> str:
+    if isinstance(part, (bool, int, float, str, type(None))):
+        return repr(part)
+    if isinstance(part, (tuple, list)):
+        return "(" + ", ".join(_identity(item) for item in part) + ")"
+    token = _TOKENS.get(id(part))
+    if token is None:
+        token = uuid.uuid4()
+        try:
+            weakref.finalize(part, _TOKENS.pop, id(part), None)
+        except TypeError:  # an object that takes no weak reference: a token of this call only
+            return f"{type(part).__name__}:{token}"
+        _TOKENS[id(part)] = token
+    return f"{type(part).__name__}:{token}"
+
+
 def _on_load(held: Fp8Dit):
     def on_load(patcher, device_to, *args):
-        if patcher.model.diffusion_model is not held.module:
-            return  # another clone's diffusion model: not ours to sync
-        check_patches(patcher, held.fp8_keys())
-        _require_device(held, device_to)
-        sync_patches(held, patcher)
+        _sync_if_ours(held, patcher, device_to)
     return on_load
+
+
+def _on_pre_run(held: Fp8Dit):
+    def on_pre_run(patcher):
+        _sync_if_ours(held, patcher, patcher.load_device)
+    return on_pre_run
+
+
+def _sync_if_ours(held: Fp8Dit, patcher, device_to) -> None:
+    if patcher.model.diffusion_model is not held.module:
+        return  # another clone's diffusion model: not ours to sync
+    check_patches(patcher, held.fp8_keys())
+    _require_device(held, device_to)
+    sync_patches(held, patcher)
 
 
 def _require_device(held: Fp8Dit, device_to) -> None:

@@ -57,7 +57,7 @@ def _config(**kw):
     return Fp8Config(backend="scaled_mm_rowwise", emulate=True, **kw)
 
 
-def _sample(comfy, patcher, steps=2, seed=1):
+def _sample(comfy, patcher, steps=2, seed=1, unload=True):
     latent = torch.zeros(1, 16, 1, 8, 8)
     ref = torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(5))
     context = torch.randn(1, 7, TEXT, generator=torch.Generator().manual_seed(6))
@@ -66,7 +66,8 @@ def _sample(comfy, patcher, steps=2, seed=1):
     negative = [[context * 0.5, {"reference_latents": [ref]}]]
     out = comfy.sample.sample(patcher, noise, steps, 4.0, "euler", "simple", positive, negative, latent,
                               disable_pbar=True, seed=seed)
-    comfy.model_management.unload_all_models()
+    if unload:
+        comfy.model_management.unload_all_models()
     return out
 
 
@@ -152,6 +153,34 @@ def test_lora_strength_change_rewrites_values_in_the_same_tensors(comfy):
     assert written == 2 * LAYERS  # only the patched weights
     assert layer.weight is tensor and not torch.equal(layer.weight, first)
     comfy.model_management.unload_all_models()
+
+
+def test_a_strength_change_keeps_the_loaded_copy_and_samples_the_new_strength(comfy, monkeypatch):
+    from qwen_edit_hopper.nodes.comfy_model.fp8_model import fp8_model
+
+    base = _patcher(comfy)
+    strong, held = fp8_model(_lora(comfy, base, 1.0), _config())
+    weak, same = fp8_model(_lora(comfy, base, 0.2), _config())
+    assert same is held and weak.patches_uuid == strong.patches_uuid != base.patches_uuid
+    moves = []  # ComfyUI unpatching weights while the fp8 copy is the model's DiT: it moves the copy off and back
+    unpatch = comfy.model_patcher.ModelPatcher.unpatch_model
+
+    def watched(self, device_to=None, unpatch_weights=True):
+        if unpatch_weights and self.model.diffusion_model is held.module:
+            moves.append(device_to)
+        return unpatch(self, device_to, unpatch_weights)
+
+    monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "unpatch_model", watched)
+    _sample(comfy, strong, unload=False)
+    after_strong = _sample(comfy, weak, unload=False)  # ComfyUI finds the model loaded and does not load it again
+    assert moves == []
+    comfy.model_management.unload_all_models()
+    alone = _sample(comfy, weak)  # a fresh load of the weak clone
+    assert torch.equal(after_strong, alone)
+    other = _lora(comfy, base, 1.0)
+    other.add_patches({"diffusion_model.img_in.weight": (torch.zeros_like(base.model.diffusion_model.img_in.weight),)},
+                      0.5)  # a patch ComfyUI applies itself (img_in stays high precision)
+    assert fp8_model(other, _config())[0].patches_uuid != strong.patches_uuid
 
 
 def test_lora_added_after_the_fp8_node_is_applied_too(comfy):
