@@ -134,8 +134,6 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-
-
 def wait_steady(read: Callable[[], float | None], keep_waiting: Callable[[], bool], tolerance: float = 16.0,
                 reads: int = 4, interval_s: float = 0.5, sleep: Callable[[float], None] = time.sleep) -> bool | None:
     """Read a value (e.g. a server's allocated MiB) every ``interval_s`` until it changed by under ``tolerance`` over
