@@ -19,7 +19,8 @@ random-weight ones). Jobs are queued over HTTP one after another:
   ends once the server's PyTorch allocation stops falling (the unload moves models to the CPU in the background).
 
 A job spec is ``name[:option[:option...]][*repeat]``; options: ``vary`` (new prompt text), ``lora=4|8`` (which
-Lightning LoRA file), ``strength=X``, ``graphs=off`` (CUDA graphs off in the Compile node), ``compile`` (core),
+Lightning LoRA file), ``strength=X`` (on ``comfy_model_fp8`` either one adds ComfyUI's LoraLoaderModelOnly after its
+UNETLoader), ``graphs=off`` (CUDA graphs off in the Compile node), ``compile`` (core),
 ``seed=N``, ``host_blocks=N`` (the Load node's DiT blocks kept in host memory). Plans (``--plan``; ``plan NAME``
 prints one) are lists of servers, each with its arguments, its Inductor, Triton and CUDA driver JIT caches (fresh empty
 folders, or the previous server's; ``CUDA_CACHE_PATH`` too, so that no earlier run on the machine warms a start) and

@@ -10,7 +10,7 @@ from typing import Any
 
 from workflows import CORE_SHIFT, INPUT_IMAGE, PROMPT
 
-from .plans import Job
+from .plans import MODEL_PATH, Job
 from .sampling import MIB
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +73,8 @@ def shipped_prompt(job: Job, files: ModelFiles, seed: int, text: str | None, tin
     """The shipped API workflow with the written files, ``seed`` and (if given) prompt ``text`` put in."""
     name = f"qwen_edit_{job.name}"
     prompt = json.loads((API_DIR / f"{name}.json").read_text())
+    if job.name == MODEL_PATH and ("lora" in job.options or "strength" in job.options):
+        _add_model_lora(prompt, job, files)
     for node in prompt.values():
         inputs, kind = node["inputs"], node["class_type"]
         if kind == "QwenEditHopper_Load":
@@ -111,6 +113,24 @@ def shipped_prompt(job: Job, files: ModelFiles, seed: int, text: str | None, tin
                 if kind == "QwenEditHopper_Benchmark":
                     inputs.update(warmup=0, repeats=1)
     return prompt
+
+
+def _add_model_lora(prompt: dict[str, Any], job: Job, files: ModelFiles) -> None:
+    """The MODEL path with a Lightning LoRA (``lora=4|8``, default 4) at ``strength`` (default 1) through ComfyUI's
+    own LoraLoaderModelOnly between the UNETLoader and what reads its MODEL: what a user who adds a LoRA to that
+    workflow wires. A strength change between prompts is then ComfyUI's patches on the same loaded model."""
+    steps = int(job.options.get("lora") or 4)
+    if steps not in files.loras:
+        raise SystemExit(f"{job.label}: no {steps}-step Lightning LoRA among the written files")
+    loader = next(k for k, n in prompt.items() if n["class_type"] == "UNETLoader")
+    lora_id = str(max(int(k) for k in prompt) + 1)
+    for node in prompt.values():
+        for key, value in node["inputs"].items():
+            if value == [loader, 0]:
+                node["inputs"][key] = [lora_id, 0]
+    strength = float(job.options.get("strength") or 1.0)
+    prompt[lora_id] = {"class_type": "LoraLoaderModelOnly", "inputs": {
+        "model": [loader, 0], "lora_name": files.loras[steps], "strength_model": strength}}
 
 
 def core_prompt(job: Job, files: ModelFiles, seed: int, text: str, tiny: bool,

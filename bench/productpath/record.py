@@ -304,6 +304,21 @@ def _across_runs(verdict: str, sides: list[list[dict[str, Any]]], commit_of: dic
     return verdict
 
 
+def _model_lora_changes(jobs: list[tuple[dict, dict]]) -> list[tuple[dict, dict, dict | None]]:
+    """The MODEL path's LoRA changes: on each server, a prompt whose ``lora=``/``strength=`` options differ from the
+    MODEL-path prompt that ran before it, with that prompt and the next one when it kept the new options."""
+    by_server: dict[int, list[dict]] = {}
+    for srv, job in jobs:
+        if _job_kind(job["job"]) == "model" and job.get("ok"):
+            by_server.setdefault(id(srv), []).append(job)
+    found = []
+    for seq in by_server.values():
+        for before, change, after in zip(seq, seq[1:], [*seq[2:], None], strict=False):
+            if change["job"] != before["job"]:
+                found.append((change, before, after if after and after["job"] == change["job"] else None))
+    return found
+
+
 def _model_path_rows(ok: list[tuple[dict, dict]], of: Callable[..., list[dict[str, Any]]],
                      commit_of: dict[int, str]) -> list[tuple[str, str, str]]:
     """The MODEL path's targets: warm s/step (KSampler's progress line) against ComfyUI core's best warm s/step on
@@ -443,11 +458,18 @@ def targets(runs: list[dict[str, Any]]) -> str:
                 rows.append((f"server start to first fastest image, {label} Inductor cache <= {limit:g} s "
                              "(judged on the newest run)", ", ".join(f"{v} s ({c})" for v, c in firsts),
                              _check(max(v for v, c in firsts if c == newest_commit), limit)))
-        changes = [j for _, j in ok if "lora=" in j["job"] or "strength=" in j["job"]]
+        changes = [j for _, j in ok
+                   if ("lora=" in j["job"] or "strength=" in j["job"]) and _job_kind(j["job"]) != "model"]
         for j in changes:
             rows.append(("a LoRA change: time, recompiles (none expected)",
                          f"{j['queue_to_image_s']} s, graphs compiled {j['stages'].get('graphs_compiled')}",
                          "yes" if j["stages"].get("graphs_compiled") == 0 else "no"))
+        for change, before, after in _model_lora_changes(jobs):
+            rows.append((f"a LoRA strength change on the MODEL path ({before['job']} to {change['job']}): its prompt "
+                         "against the prompts before and after it (a move of the fp8 copy off the card and back, or "
+                         "a recompile, would show as tens of seconds)",
+                         f"{change['queue_to_image_s']} s; before {before['queue_to_image_s']} s; after "
+                         f"{_num((after or {}).get('queue_to_image_s'))} s", ""))
         for core, label in ((False, "every prompt of the pack's workflows ran (failures by job)"),
                             (True, "ComfyUI core's own prompts (for comparison)")):
             mine = [(srv, j) for srv, j in jobs if (_job_kind(j["job"]) == "core") == core]

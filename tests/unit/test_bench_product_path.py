@@ -133,6 +133,23 @@ def test_the_model_path_workflow_takes_the_written_files_seed_and_text():
     assert prompt[sampler["negative"][0]]["inputs"]["prompt"] == ""
 
 
+def test_a_model_path_job_with_a_strength_puts_comfyuis_lora_loader_after_the_unet_loader():
+    plain = prompts.shipped_prompt(plans.parse_jobs(plans.MODEL_PATH)[0], FILES, seed=1, text=None, tiny=True)
+    assert "LoraLoaderModelOnly" not in {n["class_type"] for n in plain.values()}
+    prompt = prompts.shipped_prompt(plans.parse_jobs(f"{plans.MODEL_PATH}:strength=0.5")[0], FILES, seed=1,
+                                    text=None, tiny=True)
+    (lora_id, lora), = ((k, n) for k, n in prompt.items() if n["class_type"] == "LoraLoaderModelOnly")
+    unet = next(k for k, n in prompt.items() if n["class_type"] == "UNETLoader")
+    assert lora["inputs"] == {"model": [unet, 0], "lora_name": "lightning4.safetensors", "strength_model": 0.5}
+    readers = [n["class_type"] for n in prompt.values() if [lora_id, 0] in n["inputs"].values()]
+    assert readers == ["ModelSamplingAuraFlow"]
+    assert not [k for k, n in prompt.items() if k != lora_id and [unet, 0] in n["inputs"].values()]
+    eight = prompts.shipped_prompt(plans.parse_jobs(f"{plans.MODEL_PATH}:lora=8")[0], FILES, seed=1, text=None,
+                                   tiny=True)
+    assert {"lora_name": "lightning8.safetensors", "strength_model": 1.0}.items() <= next(
+        n["inputs"] for n in eight.values() if n["class_type"] == "LoraLoaderModelOnly").items()
+
+
 def test_a_model_path_plan_on_fp8_files_is_refused_before_any_server(tmp_path):
     import argparse
 
@@ -293,6 +310,17 @@ def test_summary_and_table_of_a_run():
     apart = records.targets([alone, newer])
     assert "| its s/step within 10% of the pack's fastest workflow | 1.65x (0.330 / 0.200) | no (a ratio across " \
            "runs: abc / new) |" in apart
+    # a LoRA strength change on the MODEL path: its prompt beside the one before it and the next at its strength
+    assert "a LoRA strength change on the MODEL path" not in checks
+    jobs += [_job(14, f"{plans.MODEL_PATH}:strength=1", 14.1, 20480, 8.0, log={"s_per_step": 0.33}, stages={}),
+             _job(15, f"{plans.MODEL_PATH}:strength=0.5", 15.2, 20480, 8.0, log={"s_per_step": 0.33}, stages={}),
+             _job(16, f"{plans.MODEL_PATH}:strength=0.5", 14.2, 20480, 8.0, log={"s_per_step": 0.33}, stages={})]
+    checks = records.targets([results])
+    assert ("a LoRA strength change on the MODEL path (comfy_model_fp8:strength=1 to comfy_model_fp8:strength=0.5)"
+            ) in checks and "| 15.2 s; before 14.1 s; after 14.20 s |  |" in checks
+    assert checks.count("a LoRA strength change on the MODEL path") == 2  # plain to strength=1, then to 0.5
+    assert "| a LoRA change: time, recompiles (none expected) | 3.0 s, graphs compiled 0 | yes |" in checks
+    del jobs[-3:]
     # a fastest prompt after ComfyUI's loaders held their model on that server: its peaks are not its own
     late = _job(13, "fastest", 13.5, 46 * 1024, 60.0)
     late["gpu"]["peak_MiB"] = 50 * 1024
