@@ -155,6 +155,37 @@ def test_lora_strength_change_rewrites_values_in_the_same_tensors(comfy):
     comfy.model_management.unload_all_models()
 
 
+def test_patched_values_are_quantized_in_chunks_with_the_same_result(comfy, monkeypatch):
+    from qwen_edit_hopper.nodes.comfy_model import fp8_model as module
+    from qwen_edit_hopper.qwen_edit import fp8_dit
+
+    base = _patcher(comfy)
+    strong, held = module.fp8_model(_lora(comfy, base, 1.0), _config())
+    comfy.model_management.load_models_gpu([strong])
+    weak = strong.clone()
+    for key in list(weak.patches):
+        weak.patches[key] = [(0.2, *p[1:]) for p in weak.patches[key]]
+    layers = [d.name for d in held.report.converted]
+    assert module.sync_patches(held, weak) == 2 * LAYERS
+    whole = {n: held.module.get_submodule(n).weight.clone() for n in layers}
+    assert module.sync_patches(held, strong) == 2 * LAYERS
+    chunks = []
+    write = fp8_dit.write_weights
+
+    def watched(variant, values):
+        chunks.append(sorted(values))
+        return write(variant, values)
+
+    monkeypatch.setattr(fp8_dit, "write_weights", watched)
+    monkeypatch.setattr(module, "SYNC_CHUNK_BYTES", 1)  # every value its own chunk
+    assert module.sync_patches(held, weak) == 2 * LAYERS
+    assert len(chunks) == 2 * LAYERS and all(len(c) == 1 for c in chunks)
+    for n in layers:
+        assert torch.equal(held.module.get_submodule(n).weight, whole[n]), n
+    assert module.sync_patches(held, weak) == 0  # each chunk noted what its layers hold
+    comfy.model_management.unload_all_models()
+
+
 def test_a_strength_change_keeps_the_loaded_copy_and_samples_the_new_strength(comfy, monkeypatch):
     from qwen_edit_hopper.nodes.comfy_model.fp8_model import fp8_model
 
