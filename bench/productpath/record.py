@@ -465,11 +465,13 @@ def targets(runs: list[dict[str, Any]]) -> str:
                          f"{j['queue_to_image_s']} s, graphs compiled {j['stages'].get('graphs_compiled')}",
                          "yes" if j["stages"].get("graphs_compiled") == 0 else "no"))
         for change, before, after in _model_lora_changes(jobs):
-            rows.append((f"a LoRA strength change on the MODEL path ({before['job']} to {change['job']}): its prompt "
-                         "against the prompts before and after it (a move of the fp8 copy off the card and back, or "
-                         "a recompile, would show as tens of seconds)",
-                         f"{change['queue_to_image_s']} s; before {before['queue_to_image_s']} s; after "
-                         f"{_num((after or {}).get('queue_to_image_s'))} s", ""))
+            later = f"{after['queue_to_image_s']} s" if after else "not run"
+            rows.append((f"MODEL path, a LoRA strength change ({before['job']} to {change['job']}): its prompt and "
+                         "card peak, the prompts before and after it (moving the fp8 copy off the card and back, or "
+                         "a recompile, would add tens of seconds)",
+                         f"{change['queue_to_image_s']} s, peak {_num(_gib((change.get('gpu') or {}).get('peak_MiB')))}"
+                         f" GiB; before {before['queue_to_image_s']} s; after {later} ({commit_of.get(id(change))})",
+                         ""))
         for core, label in ((False, "every prompt of the pack's workflows ran (failures by job)"),
                             (True, "ComfyUI core's own prompts (for comparison)")):
             mine = [(srv, j) for srv, j in jobs if (_job_kind(j["job"]) == "core") == core]
