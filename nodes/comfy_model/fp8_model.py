@@ -24,7 +24,8 @@ an H200). It differs from the parent's, so ComfyUI still takes the parent's weig
 LoRA: weight patches that ComfyUI holds on the MODEL for an fp8 layer (``LoraLoaderModelOnly``, before or after
 this node) are applied by :func:`sync_patches` when ComfyUI loads the model (an ``ON_LOAD`` callback) and again
 before each sampling (``ON_PRE_RUN``: a model ComfyUI finds loaded is not loaded again): base bf16
-weight -> ``comfy.lora.calculate_weight`` -> cast to the base dtype -> quantized as the layer was. A layer whose
+weight (to the GPU as stored) -> ``comfy.lora.calculate_weight`` in float32 there -> cast to the base dtype ->
+quantized as the layer was, about 1 GiB of values at a time. A layer whose
 patches are gone gets its quantized base back (bit for bit). Patches on layers kept high precision stay ComfyUI's.
 """
 
@@ -209,7 +210,7 @@ def sync_patches(held: Fp8Dit, patcher) -> int:
     started = time.perf_counter()
     chunk: dict[str, torch.Tensor] = {}
     marks: list = []
-    written = patched = moved = 0
+    written = patched = moved = chunk_bytes = 0
     for key in sorted(held.fp8_keys()):
         name = key[len(DIT_PREFIX):]
         owner_name, _, attr = name.rpartition(".")
@@ -229,8 +230,10 @@ def sync_patches(held: Fp8Dit, patcher) -> int:
         chunk[name] = _patched_value(base, wanted, key, target.device)
         marks.append((state, attr, owner, wanted))
         moved += base.numel() * base.element_size()
-        if sum(v.numel() * v.element_size() for v in chunk.values()) >= SYNC_CHUNK_BYTES:
+        chunk_bytes += chunk[name].numel() * chunk[name].element_size()
+        if chunk_bytes >= SYNC_CHUNK_BYTES:
             written, patched = written + len(chunk), patched + _write_chunk(held, chunk, marks)
+            chunk_bytes = 0
     if chunk:
         written, patched = written + len(chunk), patched + _write_chunk(held, chunk, marks)
     if written:
