@@ -12,12 +12,13 @@ MODEL_PATH = "comfy_model_fp8"
 high-precision weights, so its plans run on the bf16 DiT (``--dit bf16``)."""
 ALIASES = {"lightning": "lightning_4step"}
 
-# Seconds a job takes at full size on an H100 (first on its server, later), for the deadline before a job of that
-# kind has run in this run; measured durations replace them.
+# Seconds a job takes at full size on an H100 or H200 (first on its server, later), for the deadline before a job of
+# that kind has run in this run; measured durations replace them. Near the longest measured: core:compile's first
+# prompt 285-377 s on empty caches, the MODEL path's 83-126 s, a free job (it waits for the unload) 18-42 s.
 ESTIMATE_S = {
     "fastest": (110, 20), "lightning_4step": (80, 6), "low_vram": (90, 45), "lora_fused": (90, 20),
     "bf16_baseline": (110, 45), "te_fp8": (110, 45), "benchmark": (240, 120), "core": (110, 45),
-    "core:compile": (220, 45), "free": (10, 10), "lora_change": (45, 45), MODEL_PATH: (220, 45),
+    "core:compile": (380, 35), "free": (45, 45), "lora_change": (45, 45), MODEL_PATH: (130, 20),
 }
 SERVER_START_ESTIMATE_S = 30.0
 
