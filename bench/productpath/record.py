@@ -109,8 +109,11 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 "anon_growth_pct": _growth(anon[0], anon[-1]),
                 "survived_all": all(j.get("survived") for j in ran if not j.get("unfinished")),
             })
+        last: dict[str, str] = {}  # workflow -> the job label of its previous prompt on this server
         for job in jobs:
-            if "lora=" in job["job"] or "strength=" in job["job"]:
+            workflow = job["job"].split(":")[0]
+            previous, last[workflow] = last.get(workflow), job["job"]
+            if ("lora=" in job["job"] or "strength=" in job["job"]) and job["job"] != previous:
                 summary["lora_changes"].append({
                     "server": server["label"], "job": job["job"], "ok": job.get("ok"),
                     "queue_to_image_s": job.get("queue_to_image_s"),

@@ -233,6 +233,10 @@ def test_summary_and_table_of_a_run():
     assert series["anon_growth_pct"] == pytest.approx(100 * 0.02 / 8.0, abs=0.01)
     assert summary["lora_changes"] == [{"server": "cold", "job": "lightning_4step:lora=8", "ok": True,
                                         "queue_to_image_s": 3.0, "graphs_compiled": 0, "first_step_s": 1.0}]
+    again = copy.deepcopy(results)  # a second prompt with the same LoRA option is no change
+    again["servers"][0]["jobs"][5:5] = [_job(5, "lightning_4step:lora=8", 1.2, 20480, 8.0),
+                                        _job(5, "lightning_4step", 3.1, 20480, 8.0)]
+    assert [c["job"] for c in records.summarize(again)["lora_changes"]] == ["lightning_4step:lora=8"]
     results["summary"] = summary
     table = records.markdown(results)
     assert "| cold | 1 | fastest | yes | 70.00 |" in table
