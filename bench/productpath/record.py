@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -109,16 +110,12 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 "anon_growth_pct": _growth(anon[0], anon[-1]),
                 "survived_all": all(j.get("survived") for j in ran if not j.get("unfinished")),
             })
-        last: dict[str, str] = {}  # workflow -> the job label of its previous prompt on this server
-        for job in jobs:
-            workflow = job["job"].split(":")[0]
-            previous, last[workflow] = last.get(workflow), job["job"]
-            if ("lora=" in job["job"] or "strength=" in job["job"]) and job["job"] != previous:
-                summary["lora_changes"].append({
-                    "server": server["label"], "job": job["job"], "ok": job.get("ok"),
-                    "queue_to_image_s": job.get("queue_to_image_s"),
-                    "graphs_compiled": job["stages"].get("graphs_compiled"),
-                    "first_step_s": job["stages"].get("first_step_s")})
+        for _, job in _lora_changes(jobs):
+            summary["lora_changes"].append({
+                "server": server["label"], "job": job["job"], "ok": job.get("ok"),
+                "queue_to_image_s": job.get("queue_to_image_s"),
+                "graphs_compiled": job["stages"].get("graphs_compiled"),
+                "first_step_s": job["stages"].get("first_step_s")})
     return summary
 
 
@@ -307,17 +304,36 @@ def _across_runs(verdict: str, sides: list[list[dict[str, Any]]], commit_of: dic
     return verdict
 
 
-def _model_lora_changes(jobs: list[tuple[dict, dict]]) -> list[tuple[dict, dict, dict | None]]:
-    """The MODEL path's LoRA changes: on each server, a prompt whose ``lora=``/``strength=`` options differ from the
-    MODEL-path prompt that ran before it, with that prompt and the next one when it kept the new options."""
-    by_server: dict[int, list[dict]] = {}
-    for srv, job in jobs:
-        if _job_kind(job["job"]) == "model" and job.get("ok"):
-            by_server.setdefault(id(srv), []).append(job)
+def _lora_changes(jobs: list[dict[str, Any]]) -> list[tuple[dict[str, Any] | None, dict[str, Any]]]:
+    """Of one server's prompts in order: (the previous prompt of the same workflow or None, the prompt) for each
+    prompt with ``lora=``/``strength=`` options other than that previous prompt's (a repeat is no change)."""
+    last: dict[str, dict[str, Any]] = {}
     found = []
-    for seq in by_server.values():
-        for before, change, after in zip(seq, seq[1:], [*seq[2:], None], strict=False):
-            if change["job"] != before["job"]:
+    for job in jobs:
+        workflow = job["job"].split(":")[0]
+        previous, last[workflow] = last.get(workflow), job
+        if ("lora=" in job["job"] or "strength=" in job["job"]) and (previous or {}).get("job") != job["job"]:
+            found.append((previous, job))
+    return found
+
+
+def _per_server(jobs: list[tuple[dict, dict]]) -> list[list[dict[str, Any]]]:
+    """(server, job) pairs grouped into each server's jobs, in order."""
+    grouped: dict[int, list[dict[str, Any]]] = {}
+    for srv, job in jobs:
+        grouped.setdefault(id(srv), []).append(job)
+    return list(grouped.values())
+
+
+def _model_lora_changes(jobs: list[tuple[dict, dict]]) -> list[tuple[dict, dict, dict | None]]:
+    """The MODEL path's LoRA changes (:func:`_lora_changes` of the prompts that ran), each with the MODEL-path prompt
+    before it and the next one when it kept the new options."""
+    found = []
+    for seq in _per_server([(srv, j) for srv, j in jobs if _job_kind(j["job"]) == "model" and j.get("ok")]):
+        following = {id(a): b for a, b in pairwise(seq)}
+        for before, change in _lora_changes(seq):
+            if before is not None:
+                after = following.get(id(change))
                 found.append((change, before, after if after and after["job"] == change["job"] else None))
     return found
 
@@ -461,8 +477,7 @@ def targets(runs: list[dict[str, Any]]) -> str:
                 rows.append((f"server start to first fastest image, {label} Inductor cache <= {limit:g} s "
                              "(judged on the newest run)", ", ".join(f"{v} s ({c})" for v, c in firsts),
                              _check(max(v for v, c in firsts if c == newest_commit), limit)))
-        changes = [j for _, j in ok
-                   if ("lora=" in j["job"] or "strength=" in j["job"]) and _job_kind(j["job"]) != "model"]
+        changes = [j for seq in _per_server(ok) for _, j in _lora_changes(seq) if _job_kind(j["job"]) != "model"]
         for j in changes:
             rows.append(("a LoRA change: time, recompiles (none expected)",
                          f"{j['queue_to_image_s']} s, graphs compiled {j['stages'].get('graphs_compiled')}",

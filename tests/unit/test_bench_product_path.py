@@ -237,6 +237,7 @@ def test_summary_and_table_of_a_run():
     again["servers"][0]["jobs"][5:5] = [_job(5, "lightning_4step:lora=8", 1.2, 20480, 8.0),
                                         _job(5, "lightning_4step", 3.1, 20480, 8.0)]
     assert [c["job"] for c in records.summarize(again)["lora_changes"]] == ["lightning_4step:lora=8"]
+    assert records.targets([again]).count("| a LoRA change: time, recompiles (none expected) |") == 1
     results["summary"] = summary
     table = records.markdown(results)
     assert "| cold | 1 | fastest | yes | 70.00 |" in table
