@@ -562,7 +562,10 @@ def main() -> int:
     else:
         plan_name, plan = "jobs", Plan("any", (ServerSpec("jobs", args.jobs),), description=f"jobs {args.jobs}")
     for spec in plan.servers:
-        parse_jobs(spec.jobs)
+        try:
+            parse_jobs(spec.jobs)
+        except ValueError as err:  # a bad --jobs item, named, before anything starts
+            parser.error(f"--jobs: {err}")
     args.comfyui = args.comfyui.resolve()
     args.work = (args.work or args.out.resolve().parent / "work").resolve()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -163,8 +163,28 @@ def parse_jobs(spec: str) -> list[Job]:
             if key not in ("vary", "lora", "strength", "graphs", "compile", "seed", "host_blocks"):
                 raise ValueError(f"job {item!r}: unknown option {key!r}")
             options[key] = value
+        _check_lora_options(item, name, options)
         count = int(repeat) if repeat else 1
         jobs += [Job(name, options, item, i, count) for i in range(count)]
     return jobs
 
 
+LORA_WORKFLOWS = ("lightning_4step", "lora_fused", MODEL_PATH)
+"""Workflows a ``lora=``/``strength=`` option applies to: the two with a Fuse LoRA node, and the MODEL path (where
+it adds ComfyUI's LoraLoaderModelOnly)."""
+
+
+def _check_lora_options(item: str, name: str, options: dict[str, str]) -> None:
+    """Refuse a ``lora=``/``strength=`` option that would be ignored or fail mid-run: on a workflow without a LoRA,
+    a LoRA other than the 4- and 8-step files, a strength that is not a number."""
+    if not {"lora", "strength"} & options.keys():
+        return
+    if name not in LORA_WORKFLOWS:
+        raise ValueError(f"job {item!r}: lora=/strength= apply to {LORA_WORKFLOWS} only")
+    if "lora" in options and options["lora"] not in ("4", "8"):
+        raise ValueError(f"job {item!r}: lora={options['lora']!r}; expected lora=4 or lora=8 (the Lightning files)")
+    if "strength" in options:
+        try:
+            float(options["strength"])
+        except ValueError:
+            raise ValueError(f"job {item!r}: strength={options['strength']!r} is not a number") from None

@@ -77,6 +77,17 @@ def test_a_deadline_too_short_skips_the_server_and_still_writes_results(tmp_path
     assert "skipped" in server and server["jobs"] == []
 
 
+def test_a_bad_lora_option_is_refused_by_name_before_anything_starts(tmp_path: Path):
+    models = empty_full_size_names(tmp_path / "models")
+    result = subprocess.run([sys.executable, "bench/product_path.py", "run", "--comfyui", str(COMFYUI_DIR),
+                             "--models", str(models), "--out", str(tmp_path / "out"), "--jobs",
+                             "low_vram,comfy_model_fp8:strength=strong", "--tiny", "--cpu"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "--jobs: job 'comfy_model_fp8:strength=strong': strength='strong' is not a number" in result.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
 def test_a_run_killed_after_its_first_prompt_leaves_its_results_and_the_servers_log(tmp_path: Path):
     """The GPU machine's call limit kills the tool and its server at once: what ran so far is kept in --out."""
     models, out = tmp_path / "models", tmp_path / "out"

@@ -98,6 +98,14 @@ def test_job_specs_expand_and_bad_ones_are_named():
         plans.parse_jobs("fastset")
     with pytest.raises(ValueError, match="unknown option 'grpahs'"):
         plans.parse_jobs("fastest:grpahs=off")
+    # LoRA options are checked before any server starts: values, and the workflows that take a LoRA
+    with pytest.raises(ValueError, match=r"job 'fastest:strength=0.5': lora=/strength= apply to .*lightning_4step"):
+        plans.parse_jobs("fastest:strength=0.5")
+    with pytest.raises(ValueError, match="lora='2'; expected lora=4 or lora=8"):
+        plans.parse_jobs(f"{plans.MODEL_PATH}:lora=2")
+    with pytest.raises(ValueError, match="strength='strong' is not a number"):
+        plans.parse_jobs("lightning:strength=strong")
+    assert plans.parse_jobs(f"{plans.MODEL_PATH}:lora=8:strength=0.3")[0].options == {"lora": "8", "strength": "0.3"}
     for plan in plans.PLANS.values():
         for server in plan.servers:
             assert plans.parse_jobs(server.jobs)
