@@ -178,6 +178,9 @@ class QwenEditSampler(io.ComfyNode):
         if timings.extra.get("loads"):
             lines.append("models loaded this prompt: " + ", ".join(f"{kind} {seconds:.2f} s"
                                                                for kind, seconds in timings.extra["loads"]))
+        if "dit_waited_s" in timings.extra:
+            lines.append(f"DiT built alongside the text encoder's load and the prompt's encoding: the Sampler "
+                         f"waited {timings.extra['dit_waited_s']:.2f} s for it after the encoding")
         if pipe.compile is not None:
             step_s = timings.extra["step_s"]
             lines.append(f"compiled: first step {step_s[0]:.2f} s (includes any compile), graphs compiled this run: "

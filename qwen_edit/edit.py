@@ -60,6 +60,10 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
     ``timings.extra["step_s"]`` holds seconds per denoising step (the first includes any compile);
     ``timings.extra["kernels"]`` the denoising forward's kernel plan (``fast.kernel_plan.KernelPlan``);
     ``timings.extra["loads"]`` the ``(kind, seconds)`` of each model built for this edit.
+
+    A DiT that is not held yet is built on a worker thread while the text encoder loads and the prompt is
+    encoded here (``PlanRuntime.start_dit``); ``timings.extra["dit_waited_s"]`` is how long the edit then waited
+    for it. A failure or an interrupt before that cancels the build and drops what it built.
     Raises ``fit.NotEnoughMemoryError`` before loading anything when the prompt cannot fit the device.
     """
     callbacks = callbacks or Callbacks()
@@ -71,27 +75,35 @@ def run_edit(runtime: PlanRuntime, plan: PipePlan, request: EditRequest, callbac
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    text_encoder = runtime.text_encoder(plan)
-    vae = runtime.vae(plan)
-    processor = runtime.processor(plan)
-    encoder_key = (text_encoder.key, vae.key, id(processor))
-    started = time.perf_counter()
-    conditioning, cached = sampler.condition(
-        request, variant=plan.variant, text_encoder=text_encoder.module, processor=processor, vae=vae.module,
-        device=device, dtype=dtype, encoder_key=encoder_key,
-        before_text=lambda: runtime.use([text_encoder]), before_vae=lambda: runtime.use([vae]),
-    )
-    _sync(device)
-    timings.encode_s, timings.encode_cached = time.perf_counter() - started, cached
+    pending = runtime.start_dit(plan) if plan.parallel is None else None
+    try:
+        text_encoder = runtime.text_encoder(plan)
+        vae = runtime.vae(plan)
+        processor = runtime.processor(plan)
+        encoder_key = (text_encoder.key, vae.key, id(processor))
+        started = time.perf_counter()
+        conditioning, cached = sampler.condition(
+            request, variant=plan.variant, text_encoder=text_encoder.module, processor=processor, vae=vae.module,
+            device=device, dtype=dtype, encoder_key=encoder_key,
+            before_text=lambda: runtime.use([text_encoder]), before_vae=lambda: runtime.use([vae]),
+        )
+        _sync(device)
+        timings.encode_s, timings.encode_cached = time.perf_counter() - started, cached
+        callbacks.check_interrupt()
+    except BaseException:
+        if pending is not None:
+            pending.cancel()
+        raise
 
-    callbacks.check_interrupt()
     if plan.parallel is not None:
         timings.extra["loads"] = list(runtime.loads)
         latents = _denoise_parallel(runtime, plan, request, conditioning, callbacks, timings)
         return _decode(runtime, plan, request, conditioning, latents, sampler, timings)
-    dit = runtime.dit(plan)
+    dit = runtime.dit(plan, pending, check_interrupt=callbacks.check_interrupt)
     runtime.use([dit])
     timings.extra["loads"] = list(runtime.loads)
+    if pending is not None:
+        timings.extra["dit_waited_s"] = pending.build.waited_s
     if "cuda_graphs" in dit.extra:
         timings.extra["cuda_graphs"] = dit.extra["cuda_graphs"]
     if needs_calibration(plan, dit):

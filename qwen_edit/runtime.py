@@ -17,6 +17,7 @@ import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,15 +102,26 @@ class PlanRuntime:
             resident = self._residents.get(key)
             if resident is not None:
                 return resident
-            logger.info("loading %s", label)
-            started = time.perf_counter()
             self.hooks.reserve(nbytes_hint)
-            with building(), released_on_failure(self.device):
-                module = build()
-            module.eval().requires_grad_(False)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # the build's transients (a block in bf16): back to the card
-            self.loads.append((LOAD_KINDS.get(key[0], str(key[0])), time.perf_counter() - started))
+            module, seconds = self._built(label, build)
+            return self._hold(key, label, module, seconds)
+
+    def _built(self, label: str, build: Callable[[], torch.nn.Module]) -> tuple[torch.nn.Module, float]:
+        """Run ``build`` (on any thread; it must not call the host): the module in eval mode without gradients,
+        the build's transients back to the card, and the seconds it took. A failed build leaves nothing held."""
+        logger.info("loading %s", label)
+        started = time.perf_counter()
+        with building(), released_on_failure(self.device):
+            module = build()
+        module.eval().requires_grad_(False)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the build's transients (a block in bf16): back to the card
+        return module, time.perf_counter() - started
+
+    def _hold(self, key: tuple, label: str, module: torch.nn.Module, seconds: float) -> Resident:
+        """Keep a built module under ``key`` and register it with the host (the caller's thread)."""
+        with self._lock:
+            self.loads.append((LOAD_KINDS.get(key[0], str(key[0])), seconds))
             resident = Resident(key=key, module=module, nbytes=module_bytes(module, self.device), label=label)
             resident.handle = self.hooks.register(resident)
             self._residents[key] = resident
@@ -221,7 +233,35 @@ class PlanRuntime:
             self._loras.move_to_end(key)
             return self._loras[key]
 
-    def dit(self, plan: PipePlan) -> Resident:
+    def start_dit(self, plan: PipePlan) -> PendingDit | None:
+        """Begin building the plan's DiT on a worker thread (:class:`~.background_build.BackgroundBuild`), when no
+        model for it is held; None when one is (:meth:`dit` applies a LoRA change to it in place).
+
+        The host is asked for the model's room here, on the caller's thread; :meth:`dit` with the returned
+        :class:`PendingDit` waits for the build and registers the model. A caller that gives up before then calls
+        ``pending.cancel()``.
+        """
+        from .background_build import BackgroundBuild
+        from .dit_build import estimate_bytes
+
+        with self._lock:
+            key = dit_key(plan)
+            if key in self._residents:
+                return None
+            active = tuple(lora for lora in plan.loras if lora.strength != 0)
+            source = self.dit_source(plan)
+            chain = [(self.parsed_lora(lora, plan), lora.strength) for lora in active]
+            label = self._dit_label(plan, source)
+            self.hooks.reserve(estimate_bytes(source, plan.fp8, self.dtype))
+
+            def build(check_cancelled: Callable[[], None]) -> tuple[torch.nn.Module, float]:
+                return self._built(label, lambda: self._build_dit(plan, source, chain, check_cancelled))
+
+            thread = BackgroundBuild(label, build, self.device).start()
+            return PendingDit(key=key, label=label, lora_chain=chain_identity(active), chain=chain, build=thread)
+
+    def dit(self, plan: PipePlan, pending: PendingDit | None = None,
+            check_interrupt: Callable[[], None] = lambda: None) -> Resident:
         """The DiT as the plan wants it: LoRAs fused, then FP8, then compiled (regional).
 
         Built from the files group by group (``dit_build``); one model per file and fp8 recipe (or bf16). A
@@ -229,12 +269,21 @@ class PlanRuntime:
         the parameters stay the same tensors and compiled graphs (and CUDA graphs) stay valid; Transformer Engine
         layers cannot be written in place, so that model is rebuilt (the log says so). ``resident.prepared`` is
         the model's :class:`~.fast.prepared.PreparedDit`, made for each built model (a rebuilt model gets a new
-        one).
+        one). With ``pending`` (from :meth:`start_dit`), the model its thread builds is waited for (calling
+        ``check_interrupt`` meanwhile) instead of built here.
         """
         from .compile import set_regional_compile
-        from .dit_build import build_dit, estimate_bytes, lora_targets, refresh_weights
-        from .fast.prepared import PreparedDit
+        from .dit_build import estimate_bytes, lora_targets, refresh_weights
 
+        if pending is not None:
+            module, seconds = pending.build.result(check_interrupt)
+            with self._lock:
+                target = self._residents.get(pending.key)
+                if target is None:
+                    target = self._hold(pending.key, pending.label, module, seconds)
+                    target.extra.update(lora_chain=pending.lora_chain, lora_targets=lora_targets(pending.chain),
+                                        fp8_report=getattr(target.module, "fp8_report", None))
+                del module
         with self._lock:
             active = tuple(lora for lora in plan.loras if lora.strength != 0)
             wanted = chain_identity(active)
@@ -254,20 +303,28 @@ class PlanRuntime:
                     self.evict(key)
                     target = None
             if target is None:
-                label = f"DiT {source.path.name}" + (f" fp8 {plan.fp8.describe()}" if plan.fp8 is not None else "")
-                host_blocks = plan.host_blocks if self.device.type == "cuda" else 0
-
-                def build() -> torch.nn.Module:
-                    return build_dit(source, device=self.device, dtype=self.dtype, loras=chain,
-                                     fp8_config=plan.fp8, host_blocks=host_blocks).module
-
-                target = self._resident(key, label, build, estimate_bytes(source, plan.fp8, self.dtype))
+                label = self._dit_label(plan, source)
+                target = self._resident(key, label, lambda: self._build_dit(plan, source, chain),
+                                        estimate_bytes(source, plan.fp8, self.dtype))
                 target.extra.update(lora_chain=wanted, lora_targets=lora_targets(chain),
                                     fp8_report=getattr(target.module, "fp8_report", None))
             if target.prepared is None:  # built here, or adopted
+                from .fast.prepared import PreparedDit
+
                 target.prepared = PreparedDit(target.module, getattr(target.module, "layer_streaming", None))
             set_regional_compile(target, plan.compile)
             return target
+
+    def _dit_label(self, plan: PipePlan, source: Any) -> str:
+        return f"DiT {source.path.name}" + (f" fp8 {plan.fp8.describe()}" if plan.fp8 is not None else "")
+
+    def _build_dit(self, plan: PipePlan, source: Any, chain: list, check_interrupt: Callable[[], None] = lambda: None
+                   ) -> torch.nn.Module:
+        from .dit_build import build_dit
+
+        host_blocks = plan.host_blocks if self.device.type == "cuda" else 0
+        return build_dit(source, device=self.device, dtype=self.dtype, loras=chain, fp8_config=plan.fp8,
+                         host_blocks=host_blocks, check_interrupt=check_interrupt).module
 
     def lora_report(self, lora: LoraChoice, plan: PipePlan) -> Any:
         """Matched/unmatched keys of a LoRA against this plan's DiT (headers and the LoRA file only)."""
@@ -286,6 +343,22 @@ def text_encoder_key(plan: PipePlan) -> tuple:
 
 def vae_key(plan: PipePlan) -> tuple:
     return ("vae", files_identity(plan.files.vae))
+
+
+@dataclass
+class PendingDit:
+    """A DiT being built on a worker thread (:meth:`PlanRuntime.start_dit`): its runtime key, label, LoRA chain
+    (identity, and the parsed chain) and the :class:`~.background_build.BackgroundBuild` running it."""
+
+    key: tuple
+    label: str
+    lora_chain: tuple
+    chain: list
+    build: Any
+
+    def cancel(self) -> None:
+        """Stop the build and drop what it built (the caller failed or was interrupted before using it)."""
+        self.build.cancel()
 
 
 LOAD_KINDS = {"text_encoder": "text encoder", "vae": "VAE", "dit": "DiT"}

@@ -17,6 +17,7 @@ STAGES = {
     "graphs_compiled": r"graphs compiled this run: (\d+)",
     "torch_peak_GiB": r"GPU memory \(PyTorch's allocator\): peak ([0-9.]+) GiB",
     "torch_held_GiB": r"GiB during this prompt, ([0-9.]+) GiB held after it",
+    "dit_waited_s": r"the Sampler waited ([0-9.]+) s for it after the encoding",
 }
 TQDM = re.compile(r"(\d+)/(\d+) \[(\d+):(\d+)<[0-9:?]+,\s*([0-9.]+)(s/it|it/s)\]")
 EXECUTED = re.compile(r"Prompt executed in ([0-9.]+) seconds")

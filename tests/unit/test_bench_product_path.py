@@ -187,13 +187,15 @@ def test_the_samplers_report_and_the_server_log_are_read():
         "output 1024x1024", "steps: 40, cfg: 4, seed: 7", "prompt encoding: 0.41 s (cached)",
         "denoising: 12.80 s (0.320 s/step)", "VAE decode: 0.52 s", "total: 13.90 s",
         "models loaded this prompt: text encoder 3.21 s, VAE 0.35 s, DiT 7.70 s",
+        "DiT built alongside the text encoder's load and the prompt's encoding: the Sampler waited 1.25 s for it "
+        "after the encoding",
         "compiled: first step 28.10 s (includes any compile), graphs compiled this run: 2",
         "CUDA graphs: on (one whole-forward graph per shape)",
         "GPU memory (PyTorch's allocator): peak 26.31 GiB during this prompt, 20.02 GiB held after it"])
     assert logs.parse_stages(info) == {
         "encode_s": 0.41, "encode_cached": True, "denoise_s": 12.8, "s_per_step": 0.32, "decode_s": 0.52,
         "total_s": 13.9, "first_step_s": 28.1, "graphs_compiled": 2, "torch_peak_GiB": 26.31,
-        "torch_held_GiB": 20.02, "cuda_graphs": "on (one whole-forward graph per shape)",
+        "torch_held_GiB": 20.02, "cuda_graphs": "on (one whole-forward graph per shape)", "dit_waited_s": 1.25,
         "loads_s": {"text encoder": 3.21, "VAE": 0.35, "DiT": 7.7}}
     assert logs.parse_stages("nothing here") == {}
     log = ("got prompt\r 50%|#####     | 20/40 [00:16<00:16,  1.21it/s]\r100%|##########| 40/40 [00:33<00:00,  "
