@@ -8,7 +8,9 @@
   fuse writes);
 * under PyTorch's cudaMallocAsync allocator (ComfyUI's default where the driver supports it) CUDA graphs are not
   used, the reason is reported, and compiled forwards run;
-* a build that fails half-way leaves no GPU memory behind.
+* a build that fails half-way leaves no GPU memory behind;
+* the DiT built on a worker thread while the prompt is encoded gives the image a DiT built beforehand gives, and
+  an interrupt after the encoding drops it.
 
 Run on the device machine (ComfyUI's source for the tokenizer files: ``QWEN_EDIT_COMFYUI_DIR``)::
 
@@ -230,3 +232,47 @@ def test_blocks_streamed_from_host_memory_give_the_same_output_and_hold_less(fil
     assert torch.equal(outputs[0], outputs[1])
     assert held[1] < held[0]
     assert build_peak[1] < build_peak[0]
+
+
+def _edit_request():
+    from qwen_edit_hopper.qwen_edit.sampling import EditRequest
+
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (48, 64, 3), dtype=np.uint8))
+    return EditRequest(images=(image,), prompt="make it blue", negative_prompt=" ", seed=3, steps=2, cfg=4.0,
+                       width=64, height=48, reference_pixels=64 * 48)
+
+
+def test_the_dit_built_beside_the_encoding_gives_the_same_image_and_an_interrupt_drops_it(files):
+    from qwen_edit_hopper.qwen_edit.edit import run_edit
+    from qwen_edit_hopper.qwen_edit.plan import PipePlan
+    from qwen_edit_hopper.qwen_edit.runtime import PlanRuntime
+    from qwen_edit_hopper.qwen_edit.sampling import Callbacks
+
+    plan = PipePlan(files=files, variant=Variant.EDIT_2509, variant_reason="test").with_fp8(FASTEST)
+    request = _edit_request()
+    with torch.inference_mode():
+        built_first = PlanRuntime("cuda", comfy_tokenizer_dir=COMFY_TOKENIZER_DIR)
+        dit_bytes = built_first.dit(plan).nbytes  # built on this thread, before the edit
+        expected, timings = run_edit(built_first, plan, request)
+        assert "dit_waited_s" not in timings.extra
+        built_first.evict_all()
+
+        runtime = PlanRuntime("cuda", comfy_tokenizer_dir=COMFY_TOKENIZER_DIR)
+        runtime.text_encoder(plan)
+        runtime.vae(plan)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+
+        def interrupted():
+            raise InterruptedError("interrupted by the user")
+
+        with pytest.raises(InterruptedError):
+            run_edit(runtime, plan, request, Callbacks(check_interrupt=interrupted))
+        runtime.conditioning.clear()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - before < dit_bytes / 2  # the cancelled build's DiT is gone
+        assert [resident.key[0] for resident in runtime.residents()] == ["text_encoder", "vae"]
+
+        image, timings = run_edit(runtime, plan, request)
+    assert timings.extra["dit_waited_s"] >= 0
+    assert torch.equal(image, expected)
