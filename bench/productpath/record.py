@@ -63,6 +63,27 @@ def _growth(first: float | None, last: float | None) -> float | None:
     return round(100.0 * (last - first) / first, 2)
 
 
+def first_image_parts(server: dict[str, Any]) -> str | None:
+    """Where a server's first pack prompt spent its time, from the Sampler's report and the server log: the nodes
+    before the Sampler, the Sampler's set-up and the encoding (each model's load; how long it waited for a DiT built
+    beside the encoding), the first step, the other steps; None when the report lacks the figures."""
+    first = next((j for j in server.get("jobs", []) if "skipped" not in j and not j["job"].startswith("free")), None)
+    if first is None or not first.get("ok"):
+        return None
+    st = first.get("stages") or {}
+    if not all(key in st for key in ("node_s", "total_s", "encode_s", "denoise_s", "first_step_s")):
+        return None
+    before = (first.get("around_sampler") or {}).get("before_s")
+    loads = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in (st.get("loads_s") or {}).items())
+    waited = f"; waited {st['dit_waited_s']:.2f} s for the DiT built beside it" if "dit_waited_s" in st else ""
+    parts = [] if before is None else [f"before the Sampler {before:.2f} s"]
+    parts += [f"the Sampler's set-up and encoding {st['node_s'] - st['total_s'] + st['encode_s']:.2f} s"
+              + (f" ({loads}{waited})" if loads or waited else ""),
+              f"first step {st['first_step_s']:.2f} s",
+              f"the other steps {st['denoise_s'] - st['first_step_s']:.2f} s"]
+    return "where it went: " + ", ".join(parts)
+
+
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """Figures across jobs: first images per server, repeated series, LoRA changes."""
     summary: dict[str, Any] = {"servers": [], "series": [], "lora_changes": []}
@@ -210,10 +231,12 @@ def markdown(results: dict[str, Any], heading: str = "###") -> str:
                 f"{note} |")
     summary = results.get("summary") or summarize(results)
     lines.append("")
+    parts = {server["label"]: first_image_parts(server) for server in results["servers"]}
     for s in summary["servers"]:
         if "first_image_s" in s:
             lines.append(f"- `{s['label']}` (caches {s['caches']}): server start {s['start_s']} s + first "
-                         f"{s['first_job']} prompt = first image after **{s['first_image_s']} s**")
+                         f"{s['first_job']} prompt = first image after **{s['first_image_s']} s**"
+                         + (f"; {parts[s['label']]}" if parts.get(s["label"]) else ""))
         if "anon_peak_above_idle_GiB" in s:
             lines.append(f"- `{s['label']}`: host anonymous memory peak {s['anon_peak_above_idle_GiB']} GiB above the "
                          f"idle server ({s['idle_anon_GiB']} GiB); jobs ok {s['jobs_ok']}, failed {s['jobs_failed']}, "

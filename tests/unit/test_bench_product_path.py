@@ -224,8 +224,11 @@ def test_summary_and_table_of_a_run():
         "files": {"dit": "d.safetensors", "text_encoder": "t.safetensors", "vae": "v.safetensors"},
         "servers": [{"label": "cold", "caches": "fresh", "start_s": 15.0, "idle": {"gpu_MiB": 500, "anon_GiB": 2.0},
                      "command": ["main.py", "--port", "1"], "restarts": [], "alive_at_end": True,
-                     "jobs": [_job(1, "fastest", 70.0, 20480, 8.0, stages={"first_step_s": 30.0},
-                                   first_on_server=True),
+                     "jobs": [_job(1, "fastest", 70.0, 20480, 8.0, first_on_server=True,
+                                   stages={"first_step_s": 30.0, "node_s": 66.0, "total_s": 50.0, "encode_s": 4.0,
+                                           "denoise_s": 45.0, "dit_waited_s": 1.5,
+                                           "loads_s": {"text encoder": 6.0, "DiT": 9.0}},
+                                   around_sampler={"before_s": 3.5, "after_s": 0.3}),
                               *twenty,
                               _job(5, "lightning_4step:lora=8", 3.0, 20480, 8.0,
                                    stages={"graphs_compiled": 0, "first_step_s": 1.0}),
@@ -252,7 +255,9 @@ def test_summary_and_table_of_a_run():
     table = records.markdown(results)
     assert "| cold | 1 | fastest | yes | 70.00 |" in table
     assert "skipped: no time" in table and "RuntimeError: boom line two" in table
-    assert "first image after **85.0 s**" in table and "NVIDIA H100 80GB HBM3" in table
+    assert ("first image after **85.0 s**; where it went: before the Sampler 3.50 s, the Sampler's set-up and "
+            "encoding 20.00 s (text encoder 6.00 s, DiT 9.00 s; waited 1.50 s for the DiT built beside it), first "
+            "step 30.00 s, the other steps 15.00 s") in table and "NVIDIA H100 80GB HBM3" in table
     checks = records.targets([results])
     assert ("| 0.3.75 | warm fastest, queue to image <= 14.0 s (H100), each prompt a new text (its encoding "
             "included) | median 14.10 s (newest run: 2026-11-26, abc) | no |") in checks
