@@ -59,7 +59,7 @@ def check_latents(latents: torch.Tensor, *, plan: PipePlan, conditioning, cfg: f
         )
     causes = [f"the DiT {files.dit[0].name} (its weights are finite, so its activations overflowed)"]
     changes = []
-    active = [lora for lora in plan.loras if lora.strength != 0]
+    active = plan.active_loras
     if active:
         causes.append("the fused LoRAs " + ", ".join(f"{lora.name} x {lora.strength:g}" for lora in active))
         changes.append("lower the LoRA strengths or remove a LoRA")

@@ -128,9 +128,14 @@ class PipePlan:
         return "sdpa" if self.attention == "auto" else self.attention
 
     @property
+    def active_loras(self) -> tuple[LoraChoice, ...]:
+        """The LoRAs that change the weights, in the user's order (strength 0 is the base)."""
+        return tuple(lora for lora in self.loras if lora.strength != 0)
+
+    @property
     def lightning_steps(self) -> int | None:
         """Steps of the last Lightning LoRA with non-zero strength, if any."""
-        steps = [lora.lightning_steps for lora in self.loras if lora.lightning_steps and lora.strength != 0]
+        steps = [lora.lightning_steps for lora in self.active_loras if lora.lightning_steps]
         return steps[-1] if steps else None
 
     def describe(self, dtype_label: str = "bf16") -> str:

@@ -248,9 +248,9 @@ class PlanRuntime:
             key = dit_key(plan)
             if key in self._residents:
                 return None
-            active = tuple(lora for lora in plan.loras if lora.strength != 0)
+            active = plan.active_loras
             source = self.dit_source(plan)
-            chain = [(self.parsed_lora(lora, plan), lora.strength) for lora in active]
+            chain = self.parsed_chain(active, plan)
             label = self._dit_label(plan, source)
             self.hooks.reserve(estimate_bytes(source, plan.fp8, self.dtype))
 
@@ -259,6 +259,10 @@ class PlanRuntime:
 
             thread = BackgroundBuild(label, build, self.device).start()
             return PendingDit(key=key, label=label, lora_chain=chain_identity(active), chain=chain, build=thread)
+
+    def parsed_chain(self, loras: tuple[LoraChoice, ...], plan: PipePlan) -> list:
+        """``(ParsedLora, strength)`` for each of ``loras`` against the plan's DiT (:meth:`parsed_lora`)."""
+        return [(self.parsed_lora(lora, plan), lora.strength) for lora in loras]
 
     def dit(self, plan: PipePlan, pending: PendingDit | None = None,
             check_interrupt: Callable[[], None] = lambda: None) -> Resident:
@@ -281,17 +285,16 @@ class PlanRuntime:
                 target = self._residents.get(pending.key)
                 if target is None:
                     target = self._hold(pending.key, pending.label, module, seconds)
-                    target.extra.update(lora_chain=pending.lora_chain, lora_targets=lora_targets(pending.chain),
-                                        fp8_report=getattr(target.module, "fp8_report", None))
+                    _note_lora_chain(target, pending.lora_chain, pending.chain)
                 del module
         with self._lock:
-            active = tuple(lora for lora in plan.loras if lora.strength != 0)
+            active = plan.active_loras
             wanted = chain_identity(active)
             key = dit_key(plan)
             target = self._residents.get(key)
             if target is None or target.extra.get("lora_chain") != wanted:
                 source = self.dit_source(plan)
-                chain = [(self.parsed_lora(lora, plan), lora.strength) for lora in active]
+                chain = self.parsed_chain(active, plan)
             if target is not None and target.extra.get("lora_chain") != wanted:
                 names = target.extra.get("lora_targets", set()) | lora_targets(chain)
                 if refresh_weights(target.module, source, names, chain, device=self.device, dtype=self.dtype):
@@ -306,8 +309,7 @@ class PlanRuntime:
                 label = self._dit_label(plan, source)
                 target = self._resident(key, label, lambda: self._build_dit(plan, source, chain),
                                         estimate_bytes(source, plan.fp8, self.dtype))
-                target.extra.update(lora_chain=wanted, lora_targets=lora_targets(chain),
-                                    fp8_report=getattr(target.module, "fp8_report", None))
+                _note_lora_chain(target, wanted, chain)
             if target.prepared is None:  # built here, or adopted
                 from .fast.prepared import PreparedDit
 
@@ -366,6 +368,15 @@ LOAD_KINDS = {"text_encoder": "text encoder", "vae": "VAE", "dit": "DiT"}
 
 LORA_CACHE = 4
 """Parsed LoRAs kept (their factors live in host memory: about 1.2 GB for a rank-64 Lightning LoRA)."""
+
+
+def _note_lora_chain(target: Resident, identity: tuple, chain: list) -> None:
+    """Note on a just-built DiT the LoRA chain it holds (``identity``: :func:`chain_identity`; the weights it
+    touched) and its fp8 report."""
+    from .dit_build import lora_targets
+
+    target.extra.update(lora_chain=identity, lora_targets=lora_targets(chain),
+                        fp8_report=getattr(target.module, "fp8_report", None))
 
 
 def chain_identity(loras: tuple[LoraChoice, ...]) -> tuple:

@@ -63,11 +63,16 @@ def _growth(first: float | None, last: float | None) -> float | None:
     return round(100.0 * (last - first) / first, 2)
 
 
+def _first_prompt(server: dict[str, Any]) -> dict[str, Any] | None:
+    """A server's first job that ran and is not a ``free`` request: the prompt of its first image."""
+    return next((j for j in server["jobs"] if "skipped" not in j and not j["job"].startswith("free")), None)
+
+
 def first_image_parts(server: dict[str, Any]) -> str | None:
     """Where a server's first pack prompt spent its time, from the Sampler's report and the server log: the nodes
     before the Sampler, the Sampler's set-up and the encoding (each model's load; how long it waited for a DiT built
     beside the encoding), the first step, the other steps; None when the report lacks the figures."""
-    first = next((j for j in server.get("jobs", []) if "skipped" not in j and not j["job"].startswith("free")), None)
+    first = _first_prompt(server)
     if first is None or not first.get("ok"):
         return None
     st = first.get("stages") or {}
@@ -89,7 +94,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     summary: dict[str, Any] = {"servers": [], "series": [], "lora_changes": []}
     for server in results["servers"]:
         jobs = [j for j in server["jobs"] if "skipped" not in j]
-        first = next((j for j in jobs if not j["job"].startswith("free")), None)
+        first = _first_prompt(server)
         entry = {"label": server["label"], "caches": server["caches"], "start_s": server.get("start_s"),
                  "idle_anon_GiB": (server.get("idle") or {}).get("anon_GiB"),
                  "idle_gpu_GiB": _gib((server.get("idle") or {}).get("gpu_MiB")),
